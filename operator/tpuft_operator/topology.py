@@ -1,0 +1,264 @@
+"""The catalog of GKE TPU types: data plus a few small pure functions.
+
+Every number here comes from Google's documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e,
+/tpu7x and the GKE "Plan TPUs" page) and is cross-checked with xpk's `system_characteristics.py`.
+It is the single source of truth for TPU shapes: the CRD's CEL rules, the renderer, `tpuft plan` and
+`tpuft cluster add-nodepool` all read it.
+
+Terms, in the user's words:
+- *topology*: the physical arrangement of chips in one slice, e.g. ``4x4`` or ``2x2x4``;
+- *chips*: product of the topology (one slice);
+- *chips per host*: chips attached to one TPU VM (the ``google.com/tpu`` request of each pod);
+- *hosts per slice*: chips / chips per host (the pods of one slice).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+TpuType = Literal["v4", "v5e", "v5p", "v6e", "tpu7x"]
+
+ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+PLACEMENT_POLICY_LABEL = "cloud.google.com/placement-policy-name"
+SPOT_LABEL = "cloud.google.com/gke-spot"
+RESERVATION_LABEL = "cloud.google.com/reservation-name"
+TPU_RESOURCE = "google.com/tpu"
+
+_TOPOLOGY_RE = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
+
+
+class TopologyError(ValueError):
+    """A TPU shape that GKE does not offer. ``field`` is the spec path the user has to fix."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TpuFamily:
+    """One TPU generation as GKE exposes it."""
+
+    name: TpuType
+    accelerator: str  # value of cloud.google.com/gke-tpu-accelerator
+    dimensions: int  # 2 (AxB) or 3 (AxBxC)
+    machine_types: dict[int, str]  # chips per host -> GKE machine type
+    default_chips_per_host: int
+    hbm_gib_per_chip: int
+    tensorcores_per_chip: int
+    max_chips_per_slice: int
+    # 2-D families list their shapes; 3-D families follow the rule in `_valid_3d`.
+    topologies_2d: tuple[str, ...] = ()
+    # Ironwood multi-host node pools carry a placement policy instead of the topology flag.
+    multihost_uses_placement_policy: bool = False
+
+    @property
+    def chips_per_host_choices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.machine_types))
+
+    def describe_topologies(self) -> str:
+        if self.dimensions == 2:
+            return ", ".join(self.topologies_2d)
+        return (
+            "AxBxC with A<=B<=C: 2x2x1, 2x2x2, 2x2x4, 2x4x4, or every dimension a multiple of 4 "
+            f"(4x4x4, 4x4x8, ...), at most {self.max_chips_per_slice} chips"
+        )
+
+
+_2D_TOPOLOGIES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+_SMALL_3D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
+
+FAMILIES: dict[str, TpuFamily] = {
+    "v4": TpuFamily(
+        name="v4",
+        accelerator="tpu-v4-podslice",
+        dimensions=3,
+        machine_types={4: "ct4p-hightpu-4t"},
+        default_chips_per_host=4,
+        hbm_gib_per_chip=32,
+        tensorcores_per_chip=2,
+        max_chips_per_slice=4096,
+    ),
+    "v5e": TpuFamily(
+        name="v5e",
+        accelerator="tpu-v5-lite-podslice",
+        dimensions=2,
+        machine_types={1: "ct5lp-hightpu-1t", 4: "ct5lp-hightpu-4t", 8: "ct5lp-hightpu-8t"},
+        default_chips_per_host=4,
+        hbm_gib_per_chip=16,
+        tensorcores_per_chip=1,
+        max_chips_per_slice=256,
+        topologies_2d=_2D_TOPOLOGIES,
+    ),
+    "v5p": TpuFamily(
+        name="v5p",
+        accelerator="tpu-v5p-slice",
+        dimensions=3,
+        machine_types={4: "ct5p-hightpu-4t"},
+        default_chips_per_host=4,
+        hbm_gib_per_chip=95,
+        tensorcores_per_chip=2,
+        max_chips_per_slice=6144,
+    ),
+    "v6e": TpuFamily(
+        name="v6e",
+        accelerator="tpu-v6e-slice",
+        dimensions=2,
+        machine_types={1: "ct6e-standard-1t", 4: "ct6e-standard-4t", 8: "ct6e-standard-8t"},
+        default_chips_per_host=4,
+        hbm_gib_per_chip=32,
+        tensorcores_per_chip=1,
+        max_chips_per_slice=256,
+        topologies_2d=_2D_TOPOLOGIES,
+    ),
+    "tpu7x": TpuFamily(
+        name="tpu7x",
+        accelerator="tpu7x",
+        dimensions=3,
+        machine_types={4: "tpu7x-standard-4t"},
+        default_chips_per_host=4,
+        hbm_gib_per_chip=192,
+        tensorcores_per_chip=2,
+        max_chips_per_slice=9216,
+        multihost_uses_placement_policy=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class SliceShape:
+    """A resolved, valid TPU slice (or several identical ones)."""
+
+    family: TpuFamily
+    topology: str
+    chips_per_host: int
+    slices: int = 1
+
+    @property
+    def chips_per_slice(self) -> int:
+        return math.prod(parse_topology(self.topology))
+
+    @property
+    def hosts_per_slice(self) -> int:
+        return self.chips_per_slice // self.chips_per_host
+
+    @property
+    def chips(self) -> int:
+        return self.chips_per_slice * self.slices
+
+    @property
+    def hosts(self) -> int:
+        return self.hosts_per_slice * self.slices
+
+    @property
+    def machine_type(self) -> str:
+        return self.family.machine_types[self.chips_per_host]
+
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts_per_slice > 1
+
+    @property
+    def hbm_gib_per_host(self) -> int:
+        return self.family.hbm_gib_per_chip * self.chips_per_host
+
+
+def parse_topology(topology: str) -> tuple[int, ...]:
+    if not _TOPOLOGY_RE.match(topology):
+        raise TopologyError("spec.tpu.topology", f"{topology!r} is not of the form AxB or AxBxC")
+    return tuple(int(d) for d in topology.split("x"))
+
+
+def _valid_3d(dims: tuple[int, ...], family: TpuFamily) -> bool:
+    text = "x".join(map(str, dims))
+    if list(dims) != sorted(dims):
+        return False
+    if text in _SMALL_3D:
+        return True
+    return all(d % 4 == 0 for d in dims) and math.prod(dims) <= family.max_chips_per_slice
+
+
+def family(tpu_type: str) -> TpuFamily:
+    try:
+        return FAMILIES[tpu_type]
+    except KeyError:
+        raise TopologyError(
+            "spec.tpu.type", f"unknown TPU type {tpu_type!r}; known types: {', '.join(FAMILIES)}"
+        ) from None
+
+
+def default_chips_per_host(fam: TpuFamily, topology: str) -> int:
+    """The documented default when ``chipsPerHost`` is not given.
+
+    Slices smaller than the default host size (v5e/v6e ``1x1``) use one host that holds them all.
+    Otherwise the family default (4 chips per VM, as xpk provisions them) applies; this resolves the
+    v5e/v6e ``2x4`` ambiguity as two 4-chip hosts unless the user sets ``chipsPerHost: 8``.
+    """
+    chips = math.prod(parse_topology(topology))
+    if chips < fam.default_chips_per_host:
+        return chips
+    return fam.default_chips_per_host
+
+
+def resolve(tpu_type: str, topology: str, *, slices: int = 1, chips_per_host: int | None = None) -> SliceShape:
+    """Validates a TPU shape and returns it resolved, or raises `TopologyError` naming the field."""
+    fam = family(tpu_type)
+    dims = parse_topology(topology)
+    if len(dims) != fam.dimensions:
+        kind = "3-D (AxBxC)" if fam.dimensions == 3 else "2-D (AxB)"
+        raise TopologyError(
+            "spec.tpu.topology",
+            f"{tpu_type} slices have a {kind} topology, got {topology!r}; valid: {fam.describe_topologies()}",
+        )
+    valid = topology in fam.topologies_2d if fam.dimensions == 2 else _valid_3d(dims, fam)
+    if not valid:
+        raise TopologyError(
+            "spec.tpu.topology",
+            f"{topology!r} is not a {tpu_type} topology GKE offers; valid: {fam.describe_topologies()}",
+        )
+    if chips_per_host is None:
+        chips_per_host = default_chips_per_host(fam, topology)
+    elif chips_per_host not in fam.machine_types:
+        choices = ", ".join(map(str, fam.chips_per_host_choices))
+        raise TopologyError(
+            "spec.tpu.chipsPerHost", f"{tpu_type} hosts have {choices} chips, got {chips_per_host}"
+        )
+    chips = math.prod(dims)
+    if chips_per_host not in fam.machine_types or chips % chips_per_host != 0:
+        raise TopologyError(
+            "spec.tpu.chipsPerHost",
+            f"a {topology} {tpu_type} slice has {chips} chips, which {chips_per_host}-chip hosts cannot hold "
+            f"(choices: {', '.join(map(str, fam.chips_per_host_choices))})",
+        )
+    if chips_per_host > chips:
+        raise TopologyError(
+            "spec.tpu.chipsPerHost",
+            f"a {topology} {tpu_type} slice has only {chips} chips, fewer than {chips_per_host} per host",
+        )
+    if slices < 1:
+        raise TopologyError("spec.tpu.slices", f"must be at least 1, got {slices}")
+    shape = SliceShape(family=fam, topology=topology, chips_per_host=chips_per_host, slices=slices)
+    if slices > 1 and not shape.multi_host:
+        raise TopologyError(
+            "spec.tpu.slices",
+            f"multislice needs multi-host slices; a {topology} {tpu_type} slice is a single host "
+            f"({chips} chips on one {shape.machine_type} VM)",
+        )
+    return shape
+
+
+def node_labels(shape: SliceShape, nodepool: str) -> dict[str, str]:
+    """Labels GKE puts on every node of a TPU node pool of this shape."""
+    labels = {
+        ACCELERATOR_LABEL: shape.family.accelerator,
+        TOPOLOGY_LABEL: shape.topology,
+        NODEPOOL_LABEL: nodepool,
+        "node.kubernetes.io/instance-type": shape.machine_type,
+    }
+    return labels

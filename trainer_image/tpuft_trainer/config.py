@@ -1,0 +1,121 @@
+"""The trainer's configuration contract: what the operator renders and `tpuft train --config` reads.
+
+This module is imported by the operator too, so it must stay light: pydantic and the standard
+library only (a test imports it with torch blocked).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CONFIG_VERSION = "tpuft.dev/trainer-config/v1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    name: str = Field(description="Hub model id, gs:// URI, or local directory")
+    revision: str | None = None
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # Name of the environment variable that holds the hub token (set by the JobSet from a Secret
+    # through secretKeyRef); the token itself never appears in this file.
+    token_env: str | None = None
+
+
+class DatasetSource(_Strict):
+    name: str = Field(description="Hub dataset id, gs:// URI, or local file/directory")
+    split: str = "train"
+    format: Literal["text", "chat"] = "text"
+    text_field: str = "text"
+    messages_field: str = "messages"
+
+
+class MeshConfig(_Strict):
+    """Device mesh axis sizes. Within a slice (ICI): fsdp x tensor x data = chips per slice.
+    Across slices (DCN): ``dcn_data`` = number of slices (pure data parallelism over DCN)."""
+
+    fsdp: int | None = Field(default=None, ge=1, description="Default: every chip of a slice")
+    tensor: int = Field(default=1, ge=1)
+    data: int = Field(default=1, ge=1)
+    dcn_data: int = Field(default=1, ge=1)
+
+
+class FsdpConfig(_Strict):
+    layer_cls_to_wrap: list[str] | None = None
+    gradient_checkpointing: bool = True
+    mesh: MeshConfig = MeshConfig()
+
+
+class LoraConfig(_Strict):
+    r: int = Field(default=16, ge=1)
+    alpha: int = Field(default=32, ge=1)
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | None = None
+
+
+class TrainingConfig(_Strict):
+    method: Literal["full", "lora"] = "full"
+    max_steps: int | None = Field(default=None, ge=1)
+    epochs: float | None = Field(default=None, gt=0)
+    learning_rate: float = Field(default=2e-5, gt=0)
+    per_device_batch_size: int = Field(default=8, ge=1)
+    max_seq_length: int = Field(default=1024, ge=8)
+    optimizer: Literal["adafactor", "adamw"] = "adafactor"
+    save_steps: int | None = Field(default=None, ge=1)
+    logging_steps: int = Field(default=1, ge=1)
+    seed: int = 42
+    lora: LoraConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainingConfig:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("one of max_steps or epochs is required")
+        return self
+
+
+class OutputConfig(_Strict):
+    uri: str = Field(description="gs:// URI or a path on a mounted volume")
+
+
+class WorldConfig(_Strict):
+    """The shape of the job, so every host knows its place without GKE-only variables."""
+
+    slices: int = Field(default=1, ge=1)
+    hosts_per_slice: int = Field(default=1, ge=1)
+    chips_per_host: int = Field(default=1, ge=1)
+
+
+class ProgressConfig(_Strict):
+    """Where rank 0 reports progress. ``None`` fields mean: do not report (never an error)."""
+
+    namespace: str | None = None
+    name: str | None = None
+    min_interval_seconds: float = Field(default=10.0, ge=0)
+
+
+class TrainerConfig(_Strict):
+    version: Literal["tpuft.dev/trainer-config/v1"] = CONFIG_VERSION
+    model: ModelSource
+    dataset: DatasetSource
+    fsdp: FsdpConfig = FsdpConfig()
+    training: TrainingConfig
+    output: OutputConfig
+    world: WorldConfig = WorldConfig()
+    progress: ProgressConfig = ProgressConfig()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> TrainerConfig:
+        return cls.model_validate(yaml.safe_load(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainerConfig:
+        return cls.from_yaml(Path(path).read_text())
