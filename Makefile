@@ -1,0 +1,51 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Each does its own set-up:
+# a cached virtualenv (keyed by the pinned requirement files) and cached control-plane binaries
+# (keyed by component versions), both under $(TPUFT_CACHE), outside the repo.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+export TPUFT_CACHE ?= $(HOME)/.cache/tpuft
+VENV_SCRIPT := scripts/venv.sh
+PY = "$$($(VENV_SCRIPT) | tail -n1)/bin/python"
+TPUFT = "$$($(VENV_SCRIPT) | tail -n1)/bin/tpuft"
+
+.PHONY: help venv binaries test test-unit test-trainer test-cluster lint crd docs demo bench clean-cluster
+
+help:
+	@echo "make demo    - local cluster + operator + a real FSDPv2 fine-tune of a tiny model"
+	@echo "make test    - every test (unit, trainer SPMD on CPU devices, local cluster, e2e)"
+	@echo "make lint    - ruff + mypy"
+	@echo "make bench   - benchmarks, results in bench/results/"
+	@echo "make crd     - regenerate crds/ and docs/api.md from the API models"
+
+venv:
+	@$(VENV_SCRIPT) >/dev/null
+
+binaries: venv
+	@$(TPUFT) cluster build
+
+lint: venv
+	@$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
+
+test: venv binaries lint
+	@$(PY) -m pytest tests
+
+test-unit: venv
+	@$(PY) -m pytest tests/unit
+
+test-trainer: venv
+	@$(PY) -m pytest tests/trainer
+
+test-cluster: venv binaries
+	@$(PY) -m pytest tests/cluster tests/e2e
+
+crd: venv
+	@$(TPUFT) crd --write
+
+demo: venv binaries
+	@$(PY) -m tpuft_operator.demo
+
+bench: venv binaries
+	@$(PY) -m bench
+
+clean-cluster: venv
+	@$(TPUFT) cluster down --all
