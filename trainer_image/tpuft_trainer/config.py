@@ -7,12 +7,12 @@ library only (a test imports it with torch blocked).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-CONFIG_VERSION = "tpuft.dev/trainer-config/v1"
+CONFIG_VERSION: Final = "tpuft.dev/trainer-config/v1"
 
 
 class _Strict(BaseModel):
@@ -57,6 +57,8 @@ class LoraConfig(_Strict):
     alpha: int = Field(default=32, ge=1)
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
     target_modules: list[str] | None = None
+    # Also save base + adapter merged into one standard model next to the adapter.
+    save_merged: bool = False
 
 
 class TrainingConfig(_Strict):
@@ -68,6 +70,8 @@ class TrainingConfig(_Strict):
     max_seq_length: int = Field(default=1024, ge=8)
     optimizer: Literal["adafactor", "adamw"] = "adafactor"
     save_steps: int | None = Field(default=None, ge=1)
+    # Checkpoints kept at the output (oldest deleted first); None keeps them all.
+    keep_checkpoints: int | None = Field(default=None, ge=1)
     logging_steps: int = Field(default=1, ge=1)
     seed: int = 42
     lora: LoraConfig | None = None
@@ -97,6 +101,10 @@ class ProgressConfig(_Strict):
     namespace: str | None = None
     name: str | None = None
     min_interval_seconds: float = Field(default=10.0, ge=0)
+    # The TPUFineTune's API coordinates, so the trainer patches exactly what the operator serves.
+    group: str = "tpuft.dev"
+    version: str = "v1alpha1"
+    plural: str = "tpufinetunes"
 
 
 class TrainerConfig(_Strict):

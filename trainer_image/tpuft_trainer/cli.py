@@ -1,0 +1,85 @@
+"""`tpuft train --config FILE`: run the training core, exiting with the documented codes.
+
+The exit code is the operator's only signal of *why* a pod failed: user errors (exit_codes.py) end the
+run at once, anything else is treated as infrastructure and restarted from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from tpuft_trainer.errors import TrainerError
+from tpuft_trainer.exit_codes import ExitCode
+
+log = logging.getLogger("tpuft_trainer")
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM while")
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The exit code for an exception that ended the run."""
+    if isinstance(error, TrainerError):
+        return int(error.exit_code)
+    if isinstance(error, MemoryError) or any(marker in str(error) for marker in OOM_MARKERS):
+        return ExitCode.OUT_OF_MEMORY
+    if "Could not find the transformer layer class" in str(error):
+        return ExitCode.CONFIG_ERROR
+    return 1
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("TPU_WORKER_ID", os.environ.get("JOB_COMPLETION_INDEX", "0"))
+    logging.basicConfig(
+        level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s [host {rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@click.command("train")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The trainer configuration the operator rendered (YAML, tpuft.dev/trainer-config/v1).",
+)
+def train(config_path: Path) -> None:
+    """Run the FSDPv2 training core from a rendered configuration.
+
+    \b
+    Exit codes: 0 success; 64 bad configuration; 65 bad dataset; 66 model, dataset or output not
+    found; 77 permission denied; 78 out of memory; anything else is an infrastructure failure that
+    the JobSet restarts (resuming from the latest checkpoint).
+    """
+    _setup_logging()
+    from pydantic import ValidationError
+
+    from tpuft_trainer.config import TrainerConfig
+
+    try:
+        config = TrainerConfig.load(config_path)
+    except (OSError, ValueError, ValidationError) as error:
+        log.error("invalid trainer configuration %s: %s", config_path, error)
+        sys.exit(ExitCode.CONFIG_ERROR)
+    except Exception as error:  # a YAML syntax error
+        log.error("unreadable trainer configuration %s: %s", config_path, error)
+        sys.exit(ExitCode.CONFIG_ERROR)
+
+    from tpuft_trainer.train import run
+
+    try:
+        record = run(config)
+    except Exception as error:
+        code = exit_code_for(error)
+        if code == 1:
+            log.exception("training failed (infrastructure or unknown error; the JobSet may restart it)")
+        else:
+            log.error("training failed (%s, exit %d): %s", ExitCode(code).name, code, error)
+        sys.exit(code)
+    log.info("done: %d steps in %.1f s", record.final_step, record.seconds)

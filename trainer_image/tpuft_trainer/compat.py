@@ -1,0 +1,285 @@
+"""Every workaround for a known upstream breakage, in one place.
+
+Each entry names the error it fixes and the versions it was seen with (torch 2.9.0, torch_xla 2.9.0,
+transformers 5.24.0, trl 1.16.0). tests/trainer/test_compat.py removes each patch in turn and checks that
+the original error comes back (so a patch that became unnecessary is noticed and deleted) and that the
+patched run works (so removing a needed patch fails a test).
+
+Patches replace attributes of transformers' modules (never copies of its code); ``apply`` is idempotent
+and ``remove`` restores the originals.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Breakage 2. torch >= 2.8 makes the Trainer's default optimizer fused AdamW, which raises
+# "RuntimeError: `fused=True` requires all the params to be floating point Tensors of supported devices"
+# for XLA tensors. These Trainer ``optim`` values run on XLA (get_fsdp_training_args sets one).
+XLA_SAFE_OPTIMIZERS: tuple[str, ...] = ("adafactor", "adamw_torch")
+
+# Breakage 5. trl's SFTConfig defaults gradient_checkpointing=True, and the Trainer's checkpointing fails
+# under XLA with "AttributeError: module 'torch' has no attribute 'xla'". FSDPv2 checkpoints each
+# decoder block itself (xla_fsdp_grad_ckpt), so get_fsdp_training_args sets gradient_checkpointing=False.
+TRAINER_GRADIENT_CHECKPOINTING = False
+
+# Breakage 6 (transformers 5.2 + bf16 + sdpa: dtype mismatch) is fixed in the pinned 5.24; nothing here.
+
+# The mesh that must be in force while training (set by fsdp_v2.use_mesh); None keeps the Trainer's.
+_state: dict[str, Any] = {"mesh": None}
+
+
+def _strip_wrapper_prefixes(key: str) -> str:
+    # SpmdFullyShardedDataParallel keeps the wrapped module as ``_orig_module``, at the root and around
+    # every auto-wrapped decoder block.
+    return re.sub(r"(^|\.)_orig_module\.", r"\1", key)
+
+
+def _is_spmd_fsdp(model: Any) -> bool:
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+    return isinstance(model, SpmdFullyShardedDataParallel)
+
+
+def gather_state_dict(model: Any) -> dict[str, Any]:
+    """The full (unsharded) state dict on CPU with the original parameter names. Every process must
+    call it: fetching a sharded tensor replicates it over the mesh first (a collective)."""
+    import torch
+    import torch_xla
+
+    torch_xla.sync()
+    state: dict[str, Any] = {}
+    for key, value in model.state_dict().items():
+        state[_strip_wrapper_prefixes(key)] = (
+            value.detach().to("cpu") if isinstance(value, torch.Tensor) else value
+        )
+    return state
+
+
+def _batch_spec(mesh: Any, ndim: int) -> tuple[Any, ...]:
+    from tpuft_trainer.mesh import BATCH_AXES
+
+    axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    first: Any = axes[0] if len(axes) == 1 else axes
+    return (first,) + (None,) * (ndim - 1)
+
+
+def shard_model_output(output: Any, mesh: Any) -> None:
+    """Shards the batch dimension of a model's (or decoder block's) output over the mesh's data axes.
+    Accepts any output type: a tensor, a tuple, a ModelOutput with logits, or trl's outputs that have no
+    logits (then the first tensor with a batch dimension, or nothing: the hint is only for the compiler)."""
+    import torch
+    import torch_xla.distributed.spmd as xs
+
+    tensor = None
+    if isinstance(output, torch.Tensor):
+        tensor = output
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        tensor = output[0]
+    elif getattr(output, "logits", None) is not None:
+        tensor = output.logits
+    elif hasattr(output, "values"):
+        tensor = next((v for v in output.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+    if tensor is None or tensor.dim() == 0:
+        return
+    xs.mark_sharding(tensor, mesh, _batch_spec(mesh, tensor.dim()))
+
+
+@dataclass
+class Patch:
+    name: str
+    fixes: str  # the error (or silent failure) seen without it
+    target: Callable[[], Any]  # the object whose attribute is replaced (imported lazily)
+    attribute: str
+    replacement: Callable[[Callable[..., Any]], Callable[..., Any]]
+    _original: Any = field(default=None, repr=False)
+
+    @property
+    def applied(self) -> bool:
+        return self._original is not None
+
+    def apply(self) -> None:
+        if self.applied:
+            return
+        owner = self.target()
+        self._original = getattr(owner, self.attribute)
+        setattr(owner, self.attribute, self.replacement(self._original))
+
+    def remove(self) -> None:
+        if not self.applied:
+            return
+        setattr(self.target(), self.attribute, self._original)
+        self._original = None
+
+
+def _trainer_class() -> Any:
+    from transformers import Trainer
+
+    return Trainer
+
+
+def _trainer_module() -> Any:
+    import transformers.trainer
+
+    return transformers.trainer
+
+
+# ---- 1. optimizer before scheduler --------------------------------------------------------------
+def _create_optimizer_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_scheduler(self: Any, num_training_steps: int, optimizer: Any = None) -> Any:
+        # transformers delays creating the optimizer for FSDP-XLA until the model is wrapped, then never
+        # creates it because the wrapped model is not `self.model`. Parameters keep their identity when
+        # FSDPv2 shards them in place, so an optimizer over self.model's parameters is the right one.
+        if optimizer is None and self.optimizer is None:
+            self.create_optimizer()
+        return original(self, num_training_steps, optimizer)
+
+    return create_scheduler
+
+
+# ---- 3. reloadable checkpoints ------------------------------------------------------------------
+def _save_reloadable(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_tpu_checkpoint(
+        model: Any,
+        args: Any,
+        accelerator: Any,
+        processing_class: Any,
+        is_fsdp_xla_v1_enabled: bool,
+        output_dir: str | None = None,
+    ) -> None:
+        if not _is_spmd_fsdp(model):
+            return original(model, args, accelerator, processing_class, is_fsdp_xla_v1_enabled, output_dir)
+        import torch
+
+        output_dir = output_dir if output_dir is not None else args.output_dir
+        state = gather_state_dict(model)  # on every process: it is a collective
+        if args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(args, os.path.join(output_dir, "training_args.bin"))
+            # The wrapped module is the PreTrainedModel (or PeftModel: then only the adapter is written).
+            model.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            if processing_class is not None:
+                processing_class.save_pretrained(output_dir)
+        return None
+
+    return save_tpu_checkpoint
+
+
+# ---- 4. shard any model output -----------------------------------------------------------------
+def _robust_shard_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrap_model_xla_fsdp(model: Any, args: Any, is_fsdp_xla_v2_enabled: bool) -> Any:
+        wrapped = original(model, args, is_fsdp_xla_v2_enabled)
+        if is_fsdp_xla_v2_enabled:
+            for module in wrapped.modules():
+                if _is_spmd_fsdp(module):
+                    module._shard_output = shard_model_output
+        return wrapped
+
+    return wrap_model_xla_fsdp
+
+
+# ---- 5. batch over every data axis ---------------------------------------------------------------
+def _batch_over_data_axes(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def tpu_spmd_dataloader(dataloader: Any) -> Any:
+        import torch_xla.distributed.spmd as xs
+
+        dataloader = original(dataloader)
+        mesh = xs.get_global_mesh()
+        kwargs = getattr(dataloader, "_parallel_loader_kwargs", None)
+        if mesh is not None and kwargs is not None:
+            kwargs["input_sharding"] = xs.ShardingSpec(mesh, _batch_spec(mesh, 2))
+        return dataloader
+
+    return tpu_spmd_dataloader
+
+
+# ---- 6. our mesh wins over the Trainer's ---------------------------------------------------------
+def _reinstall_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        mesh = _state["mesh"]
+        if mesh is not None and getattr(self, "is_fsdp_xla_v2_enabled", False):
+            import torch_xla.distributed.spmd as xs
+
+            xs.set_global_mesh(mesh)
+
+    return __init__
+
+
+PATCHES: list[Patch] = [
+    Patch(
+        "optimizer_before_scheduler",
+        "AttributeError: 'NoneType' object has no attribute 'param_groups' (Trainer.create_scheduler, "
+        "transformers >= 5.3 with FSDP-XLA: the delayed optimizer is never created)",
+        _trainer_class,
+        "create_scheduler",
+        _create_optimizer_first,
+    ),
+    Patch(
+        "reloadable_checkpoint",
+        "Trainer.save_model under FSDPv2 writes only pytorch_model.bin with '_orig_module.' keys and no "
+        "config.json: from_pretrained silently builds a default config, resume_from_checkpoint loads no weights",
+        _trainer_module,
+        "save_tpu_checkpoint",
+        _save_reloadable,
+    ),
+    Patch(
+        "shard_any_output",
+        "ValueError: Something went wrong, the output of the model shouldn't be `None` (trl >= 1.15 "
+        "SFTTrainer outputs are not CausalLMOutputWithPast)",
+        _trainer_module,
+        "wrap_model_xla_fsdp",
+        _robust_shard_output,
+    ),
+    Patch(
+        "batch_over_data_axes",
+        "transformers shards the batch over the 'fsdp' axis only: with data or dcn axes every replica "
+        "would compute the same examples",
+        _trainer_module,
+        "tpu_spmd_dataloader",
+        _batch_over_data_axes,
+    ),
+    Patch(
+        "mesh_wins",
+        "Trainer.__init__ installs its own 1-D (devices, 1) mesh and silently replaces the configured one",
+        _trainer_class,
+        "__init__",
+        _reinstall_mesh,
+    ),
+]
+
+
+def apply(skip: tuple[str, ...] = ()) -> None:
+    """Apply every patch except those named in ``skip`` (tests use it to show a patch is needed)."""
+    unknown = set(skip) - {patch.name for patch in PATCHES}
+    if unknown:
+        raise ValueError(f"unknown compat patches {sorted(unknown)}")
+    for patch in PATCHES:
+        if patch.name not in skip:
+            patch.apply()
+
+
+def remove() -> None:
+    for patch in PATCHES:
+        patch.remove()
+
+
+def set_mesh(mesh: Any) -> None:
+    _state["mesh"] = mesh
+
+
+def applied() -> list[str]:
+    return [patch.name for patch in PATCHES if patch.applied]

@@ -1,0 +1,221 @@
+"""Rank-0 progress: a bar in the logs and ``status.progress`` of the TPUFineTune.
+
+The channel: the process with global rank 0 merge-patches the ``status`` subresource of the one
+TPUFineTune named in ``config.progress`` with ``{"status": {"progress": {...}}}``, authenticated as the
+pod's ServiceAccount (in-cluster config; ``$KUBECONFIG`` outside a cluster). The operator gives each run
+a ServiceAccount whose Role may patch only that resource's status. Updates are throttled to one per
+``min_interval_seconds`` (the final one always goes out). Reporting NEVER raises into training: a
+missing client, an absent resource or a denied patch logs one warning and the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from tpuft_trainer.config import ProgressConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    total_steps: int
+    loss: float | None
+    tokens_per_second: float | None
+    eta_seconds: float | None
+
+    def to_status(self) -> dict[str, Any]:
+        """The ``status.progress`` object (camelCase, as in the API)."""
+        body: dict[str, Any] = {"step": self.step, "totalSteps": self.total_steps}
+        if self.loss is not None and math.isfinite(self.loss):
+            body["loss"] = round(self.loss, 6)
+        if self.eta_seconds is not None:
+            body["etaSeconds"] = round(self.eta_seconds)
+        if self.tokens_per_second is not None:
+            body["tokensPerSecond"] = round(self.tokens_per_second, 1)
+        percent = 100 * self.step // self.total_steps if self.total_steps else 0
+        body["summary"] = f"{self.step}/{self.total_steps} ({percent}%)"
+        body["updateTime"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return body
+
+    def to_line(self) -> str:
+        parts = [f"step {self.step}/{self.total_steps}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.tokens_per_second is not None:
+            parts.append(f"{self.tokens_per_second:,.0f} tokens/s")
+        if self.eta_seconds is not None:
+            parts.append(f"ETA {format_duration(self.eta_seconds)}")
+        return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class Meter:
+    """Step rate, tokens/s and ETA. The first step (XLA compilation) is excluded from the rates, or
+    the ETA of a long run would be dominated by a one-off minute of compiling."""
+
+    def __init__(self, total_steps: int, tokens_per_step: int, clock: Callable[[], float] = time.monotonic):
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self._clock = clock
+        self._start_step: int | None = None
+        self._start_time = 0.0
+
+    def update(self, step: int, loss: float | None) -> Snapshot:
+        now = self._clock()
+        tokens_per_second = eta = None
+        if self._start_step is None:
+            self._start_step, self._start_time = step, now
+        elif step > self._start_step and now > self._start_time:
+            steps_per_second = (step - self._start_step) / (now - self._start_time)
+            tokens_per_second = steps_per_second * self.tokens_per_step
+            eta = max(0, self.total_steps - step) / steps_per_second
+        return Snapshot(step, self.total_steps, loss, tokens_per_second, eta)
+
+
+class Sink(Protocol):
+    def report(self, snapshot: Snapshot, *, final: bool = False) -> None: ...
+
+
+class StatusReporter:
+    """Merge-patches ``status.progress`` of ``namespace/name``; see the module docstring."""
+
+    def __init__(self, config: ProgressConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._last_sent: float | None = None
+        self._api: Any = None
+        self._warned = False
+        self.sent = 0  # patches that the API accepted (tests and logs)
+        self.enabled = bool(config.namespace and config.name)
+
+    def _client(self) -> Any:
+        if self._api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()  # honours $KUBECONFIG
+            self._api = client.CustomObjectsApi()
+        return self._api
+
+    def report(self, snapshot: Snapshot, *, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = self._clock()
+        if (
+            not final
+            and self._last_sent is not None
+            and now - self._last_sent < self.config.min_interval_seconds
+        ):
+            return
+        self._last_sent = now
+        try:
+            self._client().patch_namespaced_custom_object_status(
+                group=self.config.group,
+                version=self.config.version,
+                namespace=self.config.namespace,
+                plural=self.config.plural,
+                name=self.config.name,
+                body={"status": {"progress": snapshot.to_status()}},
+                _content_type="application/merge-patch+json",
+            )
+            self.sent += 1
+        except Exception as error:  # the channel must never fail the training
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "progress reporting to %s/%s is not working (%s: %s); training continues, "
+                    "further reporting errors are not logged",
+                    self.config.namespace,
+                    self.config.name,
+                    type(error).__name__,
+                    error,
+                )
+
+
+class LogBar:
+    """A tqdm bar written to the log stream (stderr), one line per update when stderr is not a
+    terminal, so ``kubectl logs`` shows progress without carriage-return noise."""
+
+    def __init__(self, total_steps: int, initial: int = 0) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=total_steps,
+            initial=initial,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0 if not sys.stderr.isatty() else 0.5,
+            ascii=not sys.stderr.isatty(),
+        )
+        self._step = initial
+
+    def report(self, snapshot: Snapshot, *, final: bool = False) -> None:
+        try:
+            self._bar.update(max(0, snapshot.step - self._step))
+            self._step = snapshot.step
+            postfix = {}
+            if snapshot.loss is not None:
+                postfix["loss"] = f"{snapshot.loss:.4f}"
+            if snapshot.tokens_per_second is not None:
+                postfix["tok/s"] = f"{snapshot.tokens_per_second:,.0f}"
+            self._bar.set_postfix(postfix, refresh=True)
+            if final:
+                self._bar.close()
+        except Exception:  # a broken stderr must not end the run either
+            pass
+
+
+def make_callback(
+    sinks: list[Sink], meter: Meter, *, is_rank_zero: bool, logger: logging.Logger = log
+) -> Any:
+    """A transformers TrainerCallback feeding ``sinks`` from rank 0 only (one report per run, not
+    one per host)."""
+    from transformers import TrainerCallback
+
+    class ProgressCallback(TrainerCallback):
+        # The Trainer logs the loss after on_step_end, so progress goes out from on_log (every
+        # logging_steps steps, each with the loss of that step) and once more when training ends.
+        def __init__(self) -> None:
+            self.last_loss: float | None = None
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+        ) -> None:
+            if logs and "loss" in logs:
+                self.last_loss = float(logs["loss"])
+                self._emit(state, final=False)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._emit(state, final=True)
+
+        def _emit(self, state: Any, *, final: bool) -> None:
+            if not is_rank_zero:
+                return
+            snapshot = meter.update(int(state.global_step), self.last_loss)
+            logger.info("progress: %s", snapshot.to_line())
+            for sink in sinks:
+                try:
+                    sink.report(snapshot, final=final)
+                except Exception as error:  # belt and braces: sinks already swallow their errors
+                    logger.warning("progress sink %s failed: %s", type(sink).__name__, error)
+
+    return ProgressCallback()

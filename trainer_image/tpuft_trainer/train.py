@@ -1,0 +1,248 @@
+"""One fine-tuning run, top to bottom: where am I, mesh, model, data, train, save.
+
+Every process of the job (every host of every slice) runs this same program: with SPMD they are ONE
+program over all the devices, and only rank 0 writes files that are shared (the output URI, progress).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpuft_trainer import data, fsdp_v2, storage
+from tpuft_trainer import mesh as mesh_module
+from tpuft_trainer.config import TrainerConfig
+from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
+from tpuft_trainer.world import check_runtime, detect_world
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = {"adafactor": "adafactor", "adamw": "adamw_torch"}
+METRICS_FILE = "tpuft-metrics.json"
+# Fault injection for tests (and chaos drills): SIGKILL this process at the end of that step.
+KILL_AT_STEP_ENV = "TPUFT_FAULT_KILL_AT_STEP"
+
+
+@dataclass
+class RunRecord:
+    """What the run did, written to ``<output>/tpuft-metrics.json`` by rank 0."""
+
+    mesh: dict[str, int] = field(default_factory=dict)
+    mesh_during_training: dict[str, int] = field(default_factory=dict)
+    devices: int = 0
+    process_index: int = 0
+    process_count: int = 1
+    resumed_from: str | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    compiles_after_step: dict[int, int] = field(default_factory=dict)
+    parameter_sharding: dict[str, str] = field(default_factory=dict)
+    checkpointed_blocks: int = 0
+    final_step: int = 0
+    seconds: float = 0.0
+
+
+def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecord:
+    env = os.environ if env is None else env
+    started = time.monotonic()
+    record = RunRecord()
+
+    # 1. Where this process stands; refuse multi-host shapes whose environment cannot join up.
+    world = detect_world(config.world, env)
+    fsdp_v2.use_fsdp_v2()
+    import torch_xla.runtime as xr
+
+    devices = xr.global_runtime_device_count()
+    for problem in check_runtime(
+        world, process_count=xr.process_count(), device_count=devices, on_tpu=xr.device_type() == "TPU"
+    ):
+        log.warning("world: %s (fine on CPU; fatal on TPU)", problem)
+    is_rank_zero = xr.process_index() == 0
+    record.devices, record.process_index, record.process_count = (
+        devices,
+        xr.process_index(),
+        xr.process_count(),
+    )
+
+    # 2. The mesh, which must win over the Trainer's own (compat.mesh_wins re-installs it).
+    shape = mesh_module.plan_mesh(config.fsdp.mesh, devices)
+    fsdp_v2.use_mesh(mesh_module.build_mesh(shape))
+    record.mesh = dict(zip(mesh_module.AXIS_NAMES, shape.shape, strict=True))
+    log.info("mesh %s over %d devices, %d process(es)", record.mesh, devices, xr.process_count())
+
+    # 3. Output and resume: the newest complete checkpoint at the output, if any.
+    output = storage.local_dir(config.output.uri)
+    output.mkdir(parents=True, exist_ok=True)
+    resume = storage.fetch_latest_checkpoint(config.output.uri, output)
+    if resume is not None:
+        log.info("resuming from %s (restart attempt %d)", resume, world.restart_attempt)
+    elif world.restart_attempt:
+        log.info(
+            "restart attempt %d but no checkpoint at the output: starting from the beginning",
+            world.restart_attempt,
+        )
+    record.resumed_from = resume.name if resume else None
+
+    # 4. Model (+ LoRA) and data.
+    location = data.model_location(config.model)
+    tokenizer = data.load_tokenizer(config.model, location)
+    model = data.load_model(config.model, location)
+    training = config.training
+    if training.method == "lora":
+        model = _add_lora(model, config)
+    global_batch = training.per_device_batch_size * shape.batch_ways
+    dataset = data.tokenize(
+        data.load_rows(config.dataset), tokenizer, config.dataset, training.max_seq_length, global_batch
+    )
+
+    # 5. The Trainer, with FSDPv2 arguments from the same function users call.
+    fsdp_args = fsdp_v2.get_fsdp_training_args(
+        model,
+        config.fsdp.layer_cls_to_wrap,
+        gradient_checkpointing=config.fsdp.gradient_checkpointing,
+        optim=OPTIMIZERS[training.optimizer],
+    )
+    trainer = _build_trainer(config, model, tokenizer, dataset, output, global_batch, fsdp_args)
+    total_steps = (
+        trainer.args.max_steps
+        if trainer.args.max_steps > 0
+        else _steps_for_epochs(config, dataset, global_batch)
+    )
+    meter = Meter(total_steps, tokens_per_step=global_batch * training.max_seq_length)
+    sinks: list[Any] = [LogBar(total_steps), StatusReporter(config.progress)] if is_rank_zero else []
+    trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero))
+    trainer.add_callback(_observer(record, config, env, is_rank_zero))
+
+    # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position).
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+    # 7. The final model in the standard format (compat.reloadable_checkpoint does the gathering).
+    trainer.save_model(str(output))
+    if training.method == "lora" and training.lora and training.lora.save_merged and is_rank_zero:
+        _save_merged(config, location, output)
+    record.final_step = int(trainer.state.global_step)
+    record.seconds = round(time.monotonic() - started, 2)
+    if is_rank_zero:
+        (output / METRICS_FILE).write_text(json.dumps(asdict(record), indent=1, sort_keys=True))
+        storage.upload(output, config.output.uri)
+    return record
+
+
+def _add_lora(model: Any, config: TrainerConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    from tpuft_trainer.config import LoraConfig as LoraSettings
+
+    lora = config.training.lora or LoraSettings()
+    peft_config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules or "all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_config)
+
+
+def _steps_for_epochs(config: TrainerConfig, dataset: Any, global_batch: int) -> int:
+    import math
+
+    return max(1, math.ceil((config.training.epochs or 1) * (len(dataset) // global_batch)))
+
+
+def _build_trainer(
+    config: TrainerConfig,
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    output: Path,
+    global_batch: int,
+    fsdp_args: dict[str, Any],
+) -> Any:
+    training = config.training
+    common: dict[str, Any] = dict(
+        output_dir=str(output),
+        max_steps=training.max_steps or -1,
+        num_train_epochs=training.epochs or 1.0,
+        # Under SPMD one process feeds the whole mesh: the Trainer's "per device" batch is the global one.
+        per_device_train_batch_size=global_batch,
+        learning_rate=training.learning_rate,
+        logging_steps=training.logging_steps,
+        save_strategy="steps" if training.save_steps else "no",
+        save_steps=training.save_steps or 500,
+        save_total_limit=training.keep_checkpoints,
+        seed=training.seed,
+        data_seed=training.seed,
+        report_to=[],
+        disable_tqdm=True,  # progress.LogBar draws the one bar, on rank 0
+        **fsdp_args,
+    )
+    if config.dataset.format == "chat":
+        from trl import SFTConfig, SFTTrainer
+
+        # Already tokenised to a fixed length: SFTTrainer must not re-tokenise or pack.
+        args = SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True}, bf16=False, max_length=None)
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    from transformers import Trainer, TrainingArguments
+
+    return Trainer(
+        model=model, args=TrainingArguments(**common), train_dataset=dataset, processing_class=tokenizer
+    )
+
+
+def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], is_rank_zero: bool) -> Any:
+    """Records what tests and users want to know about the run: mesh in force, sharding, losses,
+    compilation counts; and the fault-injection hook."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from transformers import TrainerCallback
+
+    kill_at = int(env.get(KILL_AT_STEP_ENV, "0") or 0)
+
+    class Observer(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            record.mesh_during_training = mesh_module.current_mesh_shape()
+            if model is not None:
+                record.parameter_sharding = {
+                    name: torch_xla._XLAC._get_xla_sharding_spec(param)
+                    for name, param in model.named_parameters()
+                }
+                record.checkpointed_blocks = (
+                    sum(1 for m in model.modules() if type(m).__name__ == "SpmdFullyShardedDataParallel") - 1
+                )
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+        ) -> None:
+            if logs and "loss" in logs:
+                record.losses[int(state.global_step)] = float(logs["loss"])
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            compile_data = met.metric_data("CompileTime")
+            record.compiles_after_step[int(state.global_step)] = int(compile_data[0]) if compile_data else 0
+            if kill_at and state.global_step == kill_at:
+                log.warning("%s=%d: killing this process now", KILL_AT_STEP_ENV, kill_at)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if is_rank_zero:
+                name = f"checkpoint-{state.global_step}"
+                storage.upload(Path(args.output_dir) / name, config.output.uri, name)
+
+    return Observer()
+
+
+def _save_merged(config: TrainerConfig, location: str, output: Path) -> None:
+    """Base + the saved adapter, merged on CPU into a standard model at ``<output>/merged``."""
+    from peft import PeftModel
+
+    base = data.load_model(config.model, location)
+    merged = PeftModel.from_pretrained(base, str(output)).merge_and_unload()
+    merged.save_pretrained(output / "merged")
+    data.load_tokenizer(config.model, location).save_pretrained(output / "merged")
