@@ -1,7 +1,10 @@
 """The catalog of GKE TPU types: data plus a few small pure functions.
 
 Every number here comes from Google's documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e,
-/tpu7x and the GKE "Plan TPUs" page) and is cross-checked with xpk's `system_characteristics.py`.
+/tpu7x, the GKE "Plan TPUs" and "About Ironwood (TPU7x) in GKE" pages) and is cross-checked with xpk's
+`src/xpk/core/system_characteristics.py` (AI-Hypercomputer/xpk): accelerator label values, machine
+types, the topology lists per family and the largest slice of each. docs/topology.md shows the
+catalog as a table, generated from this module.
 It is the single source of truth for TPU shapes: the CRD's CEL rules, the renderer, `tpuft plan` and
 `tpuft cluster add-nodepool` all read it.
 
@@ -55,8 +58,16 @@ class TpuFamily:
     max_chips_per_slice: int
     # 2-D families list their shapes; 3-D families follow the rule in `_valid_3d`.
     topologies_2d: tuple[str, ...] = ()
+    # 3-D shapes that are valid although not every dimension is a multiple of 4 (the small slices).
+    small_topologies_3d: tuple[str, ...] = ()
     # Ironwood multi-host node pools carry a placement policy instead of the topology flag.
     multihost_uses_placement_policy: bool = False
+    # The host size of multi-host slices. Every other host size exists only as a single-host slice
+    # of exactly that many chips (v5e/v6e 1t and 8t machines, Ironwood 1t): GKE has no multi-host
+    # pool of 1-chip or 8-chip VMs.
+    multihost_chips_per_host: int = 4
+    # Longest side of a 3-D slice, where the pod bounds it (v4: the pod is a 16x16x16 cube).
+    max_dimension: int | None = None
 
     @property
     def chips_per_host_choices(self) -> tuple[int, ...]:
@@ -66,12 +77,24 @@ class TpuFamily:
         if self.dimensions == 2:
             return ", ".join(self.topologies_2d)
         return (
-            "AxBxC with A<=B<=C: 2x2x1, 2x2x2, 2x2x4, 2x4x4, or every dimension a multiple of 4 "
-            f"(4x4x4, 4x4x8, ...), at most {self.max_chips_per_slice} chips"
+            f"AxBxC: {', '.join(self.small_topologies_3d)}, or every dimension a multiple of 4 in "
+            f"ascending order (4x4x4, 4x4x8, 4x8x8, ...), at most {self.max_chips_per_slice} chips"
+            + (f" and {self.max_dimension} chips a side" if self.max_dimension else "")
         )
 
+    def describe_chips_per_host(self) -> str:
+        parts = []
+        for chips, machine in sorted(self.machine_types.items()):
+            scope = "any slice" if chips == self.multihost_chips_per_host else f"{chips}-chip slices only"
+            parts.append(f"{chips} ({machine}, {scope})")
+        return ", ".join(parts)
 
+
+# v5e and v6e (GKE "Plan TPUs"; cloud.google.com/tpu/docs/v5e and /v6e): 1x1 (1t), 2x2 (4t) and
+# 2x4 (8t, or two 4t hosts) fit one host; 2x4 and larger are multi-host pools of 4-chip VMs.
 _2D_TOPOLOGIES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+# v4, v5p, Ironwood: the slices below one 4x4x4 cube. Larger slices have every dimension a multiple
+# of 4 (cloud.google.com/tpu/docs/v4: "A<=B<=C ... all multiples of 4"; xpk lists the same shapes).
 _SMALL_3D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
 
 FAMILIES: dict[str, TpuFamily] = {
@@ -83,7 +106,10 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=32,
         tensorcores_per_chip=2,
+        # A v4 pod is 4096 chips (cloud.google.com/tpu/docs/v4); 16x16x16 is the largest slice.
         max_chips_per_slice=4096,
+        max_dimension=16,
+        small_topologies_3d=_SMALL_3D,
     ),
     "v5e": TpuFamily(
         name="v5e",
@@ -104,7 +130,9 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=95,
         tensorcores_per_chip=2,
-        max_chips_per_slice=6144,
+        # A v5p pod is 8960 chips; xpk's largest v5p shape is 16x20x28 (= 8960).
+        max_chips_per_slice=8960,
+        small_topologies_3d=_SMALL_3D,
     ),
     "v6e": TpuFamily(
         name="v6e",
@@ -121,11 +149,14 @@ FAMILIES: dict[str, TpuFamily] = {
         name="tpu7x",
         accelerator="tpu7x",
         dimensions=3,
-        machine_types={4: "tpu7x-standard-4t"},
+        # tpu7x-standard-1t is a single-chip VM (1x1x1), as listed by xpk; 4t is the slice building block.
+        machine_types={1: "tpu7x-standard-1t", 4: "tpu7x-standard-4t"},
         default_chips_per_host=4,
         hbm_gib_per_chip=192,
         tensorcores_per_chip=2,
+        # An Ironwood pod is 9216 chips; xpk's largest shape is 16x24x24 (= 9216).
         max_chips_per_slice=9216,
+        small_topologies_3d=("1x1x1", *_SMALL_3D),
         multihost_uses_placement_policy=True,
     ),
 }
@@ -177,11 +208,32 @@ def parse_topology(topology: str) -> tuple[int, ...]:
 
 def _valid_3d(dims: tuple[int, ...], family: TpuFamily) -> bool:
     text = "x".join(map(str, dims))
+    if text in family.small_topologies_3d:
+        return True
     if list(dims) != sorted(dims):
         return False
-    if text in _SMALL_3D:
-        return True
+    if family.max_dimension is not None and dims[-1] > family.max_dimension:
+        return False
     return all(d % 4 == 0 for d in dims) and math.prod(dims) <= family.max_chips_per_slice
+
+
+def is_valid_topology(fam: TpuFamily, topology: str) -> bool:
+    """True when GKE offers this topology for the family (dimensions, sizes, order, largest slice)."""
+    if not _TOPOLOGY_RE.match(topology):
+        return False
+    dims = tuple(int(d) for d in topology.split("x"))
+    if len(dims) != fam.dimensions:
+        return False
+    return topology in fam.topologies_2d if fam.dimensions == 2 else _valid_3d(dims, fam)
+
+
+def host_sizes_for(fam: TpuFamily, chips: int) -> tuple[int, ...]:
+    """The chips-per-host values that can hold a slice of ``chips`` chips (sorted)."""
+    return tuple(
+        c
+        for c in fam.chips_per_host_choices
+        if (c == chips) or (c == fam.multihost_chips_per_host and chips >= c and chips % c == 0)
+    )
 
 
 def family(tpu_type: str) -> TpuFamily:
@@ -206,7 +258,22 @@ def default_chips_per_host(fam: TpuFamily, topology: str) -> int:
     return fam.default_chips_per_host
 
 
-def resolve(tpu_type: str, topology: str, *, slices: int = 1, chips_per_host: int | None = None) -> SliceShape:
+def valid_shapes(fam: TpuFamily) -> list[str]:
+    """Every topology of the family, smallest first (3-D: enumerated up to the largest slice)."""
+    if fam.dimensions == 2:
+        return list(fam.topologies_2d)
+    shapes = list(fam.small_topologies_3d)
+    limit = fam.max_chips_per_slice
+    for a in range(4, limit + 1, 4):
+        for b in range(a, limit // a + 1, 4):
+            for c in range(b, min(limit // (a * b), fam.max_dimension or limit) + 1, 4):
+                shapes.append(f"{a}x{b}x{c}")
+    return sorted(shapes, key=lambda t: (math.prod(parse_topology(t)), t))
+
+
+def resolve(
+    tpu_type: str, topology: str, *, slices: int = 1, chips_per_host: int | None = None
+) -> SliceShape:
     """Validates a TPU shape and returns it resolved, or raises `TopologyError` naming the field."""
     fam = family(tpu_type)
     dims = parse_topology(topology)
@@ -225,21 +292,17 @@ def resolve(tpu_type: str, topology: str, *, slices: int = 1, chips_per_host: in
     if chips_per_host is None:
         chips_per_host = default_chips_per_host(fam, topology)
     elif chips_per_host not in fam.machine_types:
-        choices = ", ".join(map(str, fam.chips_per_host_choices))
         raise TopologyError(
-            "spec.tpu.chipsPerHost", f"{tpu_type} hosts have {choices} chips, got {chips_per_host}"
+            "spec.tpu.chipsPerHost",
+            f"{tpu_type} hosts have {fam.describe_chips_per_host()} chips, got {chips_per_host}",
         )
     chips = math.prod(dims)
-    if chips_per_host not in fam.machine_types or chips % chips_per_host != 0:
+    fitting = host_sizes_for(fam, chips)
+    if chips_per_host not in fitting:
         raise TopologyError(
             "spec.tpu.chipsPerHost",
-            f"a {topology} {tpu_type} slice has {chips} chips, which {chips_per_host}-chip hosts cannot hold "
-            f"(choices: {', '.join(map(str, fam.chips_per_host_choices))})",
-        )
-    if chips_per_host > chips:
-        raise TopologyError(
-            "spec.tpu.chipsPerHost",
-            f"a {topology} {tpu_type} slice has only {chips} chips, fewer than {chips_per_host} per host",
+            f"a {topology} {tpu_type} slice has {chips} chips, which {chips_per_host}-chip hosts cannot hold; "
+            f"valid for this topology: {', '.join(map(str, fitting))}",
         )
     if slices < 1:
         raise TopologyError("spec.tpu.slices", f"must be at least 1, got {slices}")
@@ -253,12 +316,17 @@ def resolve(tpu_type: str, topology: str, *, slices: int = 1, chips_per_host: in
     return shape
 
 
-def node_labels(shape: SliceShape, nodepool: str) -> dict[str, str]:
-    """Labels GKE puts on every node of a TPU node pool of this shape."""
+def node_labels(shape: SliceShape, nodepool: str, *, placement_policy: str | None = None) -> dict[str, str]:
+    """Labels GKE puts on every node of a TPU node pool of this shape.
+
+    ``placement_policy`` is the workload policy an Ironwood multi-host pool was created with.
+    """
     labels = {
         ACCELERATOR_LABEL: shape.family.accelerator,
         TOPOLOGY_LABEL: shape.topology,
         NODEPOOL_LABEL: nodepool,
         "node.kubernetes.io/instance-type": shape.machine_type,
     }
+    if placement_policy is not None:
+        labels[PLACEMENT_POLICY_LABEL] = placement_policy
     return labels

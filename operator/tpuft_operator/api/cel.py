@@ -1,0 +1,236 @@
+"""CEL `x-kubernetes-validations` rules of the TPUFineTune CRD, generated from the topology catalog.
+
+Why CEL: the apiserver then rejects a wrong TPU shape at `kubectl apply`, with a message a person
+understands, before anything is created. Every value in these rules (valid topologies, host sizes,
+largest slice) is read from `tpuft_operator.topology.FAMILIES`; nothing is copied by hand, so the
+catalog and the CRD cannot disagree. `tpuft_operator.api.validation.validate` enforces the same rules
+in Python (for `tpuft render`/`plan` and the operator), and the unit tests compare the two.
+
+Each rule returns a dict in the apiextensions.k8s.io/v1 ValidationRule shape:
+``{rule, message, fieldPath?, reason?}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import JsonValue
+
+from tpuft_operator.topology import FAMILIES, TpuFamily
+
+# Up to three dimensions of up to four digits: long enough for every GKE shape (16x20x28, 4x4x244),
+# short enough that int() and products in CEL stay cheap and cannot overflow.
+TOPOLOGY_PATTERN = r"^[1-9][0-9]{0,3}(x[1-9][0-9]{0,3}){1,2}$"
+
+IMMUTABLE_MESSAGE = (
+    "is immutable: delete and recreate the TPUFineTune to change it; only spec.suspend may change on a run"
+)
+
+Rule = dict[str, Any]
+
+# CEL building blocks over a TpuSpec (`self` is spec.tpu).
+_WELL_FORMED = f"self.topology.matches('{TOPOLOGY_PATTERN}')"
+_DIMS = "self.topology.split('x')"
+
+
+def _dim(i: int, dims: str = _DIMS) -> str:
+    return f"int({dims}[{i}])"
+
+
+def _chips(dims: str = _DIMS) -> str:
+    """CEL product of the topology's dimensions (2-D or 3-D)."""
+    two = f"{_dim(0, dims)} * {_dim(1, dims)}"
+    return f"(size({dims}) == 2 ? {two} : {two} * {_dim(2, dims)})"
+
+
+def _cel_list(values: Sequence[str]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _topology_ok(fam: TpuFamily) -> str:
+    if fam.dimensions == 2:
+        return f"self.topology in {_cel_list(fam.topologies_2d)}"
+    cube = (
+        f"size({_DIMS}) == 3 && {_DIMS}.all(d, int(d) % 4 == 0)"
+        f" && {_dim(0)} <= {_dim(1)} && {_dim(1)} <= {_dim(2)}"
+        f" && {_chips()} <= {fam.max_chips_per_slice}"
+    )
+    if fam.max_dimension is not None:
+        cube += f" && {_dim(2)} <= {fam.max_dimension}"
+    return f"self.topology in {_cel_list(fam.small_topologies_3d)} || ({cube})"
+
+
+def _topology_message(fam: TpuFamily) -> str:
+    if fam.dimensions == 2:
+        return f"{fam.name} slices have a 2-D topology AxB, one of: {fam.describe_topologies()}"
+    return f"{fam.name} slices have a 3-D topology {fam.describe_topologies()}"
+
+
+def _default_host_size() -> str:
+    """CEL map literal: the family's default chips per host (every family uses 4 today)."""
+    return "{" + ", ".join(f"'{f.name}': {f.default_chips_per_host}" for f in FAMILIES.values()) + "}"
+
+
+def _multihost_host_size() -> str:
+    return "{" + ", ".join(f"'{f.name}': {f.multihost_chips_per_host}" for f in FAMILIES.values()) + "}"
+
+
+def _hosts_more_than_one() -> str:
+    """CEL: the slice spans several hosts (chipsPerHost, or its documented default)."""
+    per_host = f"(has(self.chipsPerHost) ? self.chipsPerHost : {_default_host_size()}[self.type])"
+    return f"{_chips()} > {per_host}"
+
+
+def as_json(rules: list[Rule]) -> list[JsonValue]:
+    """The rules typed as JSON values (what pydantic's json_schema_extra accepts)."""
+    return [dict(rule) for rule in rules]
+
+
+def tpu_rules() -> list[Rule]:
+    """Rules on spec.tpu: topology per type, host size per type and topology, multislice, placement."""
+    rules: list[Rule] = []
+    for fam in FAMILIES.values():
+        rules.append(
+            {
+                "rule": f"self.type != '{fam.name}' || !{_WELL_FORMED} || {_topology_ok(fam)}",
+                "message": _topology_message(fam),
+                "fieldPath": ".topology",
+                "reason": "FieldValueInvalid",
+            }
+        )
+    for fam in FAMILIES.values():
+        choices = ", ".join(str(c) for c in fam.chips_per_host_choices)
+        rules.append(
+            {
+                "rule": (
+                    f"self.type != '{fam.name}' || !has(self.chipsPerHost) || self.chipsPerHost in [{choices}]"
+                ),
+                "message": f"{fam.name} hosts have {fam.describe_chips_per_host()} chips",
+                "fieldPath": ".chipsPerHost",
+                "reason": "FieldValueInvalid",
+            }
+        )
+    multi = _multihost_host_size()
+    rules.append(
+        {
+            "rule": (
+                f"!has(self.chipsPerHost) || !{_WELL_FORMED} || {_chips()} == self.chipsPerHost"
+                f" || (self.chipsPerHost == {multi}[self.type] && {_chips()} % self.chipsPerHost == 0"
+                f" && {_chips()} > self.chipsPerHost)"
+            ),
+            "message": (
+                "chipsPerHost does not fit the topology: 1-chip and 8-chip hosts exist only as a single-host "
+                "slice of exactly that many chips; larger slices use 4-chip hosts"
+            ),
+            "fieldPath": ".chipsPerHost",
+            "reason": "FieldValueInvalid",
+        }
+    )
+    rules.append(
+        {
+            "rule": f"self.slices <= 1 || !{_WELL_FORMED} || {_hosts_more_than_one()}",
+            "message": (
+                "multislice (slices > 1) needs multi-host slices, e.g. v5e/v6e 4x4 or v4/v5p/tpu7x 2x2x2 "
+                "and larger; a single-host slice cannot join a multislice run"
+            ),
+            "fieldPath": ".slices",
+            "reason": "FieldValueInvalid",
+        }
+    )
+    placement = [f.name for f in FAMILIES.values() if f.multihost_uses_placement_policy]
+    rules.append(
+        {
+            "rule": (
+                f"!has(self.placementPolicy) || (self.type in {_cel_list(placement)}"
+                f" && (!{_WELL_FORMED} || {_hosts_more_than_one()}))"
+            ),
+            "message": f"placementPolicy applies only to multi-host slices of {', '.join(placement)}",
+            "fieldPath": ".placementPolicy",
+            "reason": "FieldValueInvalid",
+        }
+    )
+    return rules
+
+
+def training_rules() -> list[Rule]:
+    return [
+        {
+            "rule": "has(self.maxSteps) != has(self.epochs)",
+            "message": "set exactly one of maxSteps or epochs",
+            "reason": "FieldValueRequired",
+        },
+        {
+            "rule": "!has(self.lora) || self.method == 'lora'",
+            "message": "lora settings apply only with method: lora",
+            "fieldPath": ".lora",
+            "reason": "FieldValueForbidden",
+        },
+    ]
+
+
+# Fields of the spec that never change after creation, with whether they are optional (no default):
+# an optional field's rule must also catch it being added or removed. CEL transition rules cannot
+# see status, so "while a run is active" is enforced as "always"; docs/api.md explains the choice.
+IMMUTABLE_FIELDS: dict[str, bool] = {
+    "model": False,
+    "dataset": False,
+    "tpu": False,
+    "fsdp": False,
+    "training": False,
+    "output": False,
+    "image": True,
+    "maxRestarts": False,
+    "queueName": True,
+    "priorityClassName": True,
+    "serviceAccountName": True,
+    "resources": True,
+    "tolerations": True,
+    "volumes": True,
+    "volumeMounts": True,
+    "env": True,
+    "podAnnotations": True,
+}
+
+
+def _mesh_rule() -> Rule:
+    dims = "self.tpu.topology.split('x')"
+    chips = _chips(dims)
+    m = "self.fsdp.mesh"
+    tensor = f"(has({m}.tensor) ? {m}.tensor : 1)"
+    data = f"(has({m}.data) ? {m}.data : 1)"
+    well_formed = f"self.tpu.topology.matches('{TOPOLOGY_PATTERN}')"
+    return {
+        "rule": (
+            f"!has(self.fsdp) || !has({m}) || !{well_formed} || (has({m}.fsdp)"
+            f" ? {m}.fsdp * {tensor} * {data} == {chips}"
+            f" : {chips} % ({tensor} * {data}) == 0)"
+        ),
+        "message": (
+            "fsdp x tensor x data must equal the chips of one slice (slices add the DCN axis); "
+            "leave fsdp out to give it every chip left"
+        ),
+        "fieldPath": ".fsdp.mesh",
+        "reason": "FieldValueInvalid",
+    }
+
+
+def spec_rules() -> list[Rule]:
+    rules: list[Rule] = [_mesh_rule()]
+    for field, optional in IMMUTABLE_FIELDS.items():
+        if optional:
+            rule = (
+                f"has(self.{field}) == has(oldSelf.{field})"
+                f" && (!has(self.{field}) || self.{field} == oldSelf.{field})"
+            )
+        else:
+            rule = f"self.{field} == oldSelf.{field}"
+        rules.append(
+            {
+                "rule": rule,
+                "message": f"spec.{field} {IMMUTABLE_MESSAGE}",
+                "fieldPath": f".{field}",
+                "reason": "FieldValueForbidden",
+            }
+        )
+    return rules

@@ -1,0 +1,527 @@
+"""The TPUFineTune API (tpuft.dev/v1alpha1) as pydantic models: the one source of truth.
+
+The CRD's OpenAPI schema (`api/crd.py`), the API reference (`docs/api.md`), the trainer configuration
+(`render/`) and `tpuft plan` all come from these classes. Field names are snake_case in Python and
+camelCase on the wire (aliases); descriptions are what `kubectl explain tpufinetune.spec...` prints,
+so they are written for the person filling in the YAML.
+
+Bounds (maxLength, maxItems) are not decoration: the apiserver estimates the cost of every CEL rule
+from them and refuses a CRD whose rules could be too expensive.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic.alias_generators import to_camel
+
+from tpuft_operator.api import cel
+
+GROUP = "tpuft.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TPUFineTune"
+PLURAL = "tpufinetunes"
+SINGULAR = "tpufinetune"
+SHORT_NAMES = ("tpuft", "tft")
+
+# Kubernetes name formats (RFC 1123), as the apiserver checks them for the objects they refer to.
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# The Kubernetes resource.Quantity grammar (the same pattern Kubernetes' own CRDs carry).
+QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+MAX_SLICES = 256
+
+DnsLabel = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_LABEL)]
+DnsSubdomain = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+PythonName = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
+]
+ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+Quantity = Annotated[int | str, Field(json_schema_extra={"x-tpuft-quantity": True})]
+
+
+class _Spec(BaseModel):
+    """Base of every API object: camelCase on the wire, unknown fields rejected (as kubectl does)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, use_enum_values=True
+    )
+
+
+# --------------------------------------------------------------------------------------------- spec
+
+
+class SecretKeyRef(_Spec):
+    """A key of a Secret in the TPUFineTune's namespace."""
+
+    name: DnsSubdomain = Field(description="Name of the Secret.")
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = Field(
+        description="Key inside the Secret whose value is used."
+    )
+
+
+class ModelSpec(_Spec):
+    """The model to fine-tune."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        description=(
+            "The base model: a Hugging Face hub id (`google/gemma-2-2b`), a `gs://bucket/path` URI, "
+            "or an absolute path on a mounted volume (`/models/llama`)."
+        )
+    )
+    revision: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
+        default=None, description="Hub revision (branch, tag or commit) to load. Default: the hub's default."
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        default="bfloat16",
+        description="Data type of weights and activations. bfloat16 is native on TPUs and halves memory.",
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "Secret holding a hub token, for gated or private models. It reaches the trainer only as an "
+            "environment variable (secretKeyRef); it never appears in the rendered configuration."
+        ),
+    )
+
+
+class DatasetSpec(_Spec):
+    """The training data."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        description=(
+            "A Hugging Face hub dataset id, a `gs://` URI, or an absolute path (file or directory of "
+            "JSON Lines, Parquet or text) on a mounted volume."
+        )
+    )
+    split: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        default="train", description="Dataset split to train on."
+    )
+    format: Literal["text", "chat"] = Field(
+        default="text",
+        description=(
+            "`text`: each record has one text field (textField). `chat`: each record has a list of "
+            "{role, content} messages (messagesField), rendered with the model's chat template."
+        ),
+    )
+    text_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        default="text", description="Field holding the text, for format `text`."
+    )
+    messages_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        default="messages", description="Field holding the messages list, for format `chat`."
+    )
+
+
+class TpuSpec(_Spec):
+    """The TPU slices to train on. Every slice has the same type and topology."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": cel.as_json(cel.tpu_rules())})
+
+    type: Literal["v4", "v5e", "v5p", "v6e", "tpu7x"] = Field(
+        description=(
+            "TPU generation: v4, v5e, v5p, v6e (Trillium) or tpu7x (Ironwood). Sets the node selector "
+            "cloud.google.com/gke-tpu-accelerator."
+        )
+    )
+    topology: Annotated[str, StringConstraints(min_length=3, max_length=14, pattern=cel.TOPOLOGY_PATTERN)] = (
+        Field(
+            description=(
+                "Chips of one slice and their arrangement: AxB for v5e and v6e (1x1, 2x2, 2x4, 4x4, ... 16x16), "
+                "AxBxC for v4, v5p and tpu7x (2x2x1, 2x2x2, 2x2x4, 2x4x4, then multiples of 4 in ascending "
+                "order such as 4x4x8). Chips per slice = the product. See docs/topology.md."
+            )
+        )
+    )
+    slices: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_SLICES,
+        description=(
+            "Number of identical slices (multislice over the data-center network). More than one needs "
+            "multi-host slices."
+        ),
+    )
+    chips_per_host: Literal[1, 4, 8] | None = Field(
+        default=None,
+        description=(
+            "Chips per TPU VM (the google.com/tpu request of each pod). Default: 4, or all chips when the "
+            "slice has fewer. Set 8 to run a v5e/v6e 2x4 slice on one 8-chip VM instead of two 4-chip "
+            "VMs; 1 and 8 exist only as single-host slices of exactly that many chips."
+        ),
+    )
+    spot: bool = Field(
+        default=False,
+        description="Run on Spot VMs (node selector cloud.google.com/gke-spot=true). Preemptions restart the run.",
+    )
+    reservation: DnsLabel | None = Field(
+        default=None,
+        description="Name of a specific reservation to consume (node selector cloud.google.com/reservation-name).",
+    )
+    placement_policy: DnsLabel | None = Field(
+        default=None,
+        description=(
+            "Ironwood (tpu7x) multi-host only: name of the workload policy the node pool was created with "
+            "(node selector cloud.google.com/placement-policy-name)."
+        ),
+    )
+
+
+class MeshSpec(_Spec):
+    """Device mesh axis sizes within one slice. fsdp x tensor x data = chips per slice; slices add the
+    DCN (data-center network) data axis on top."""
+
+    fsdp: int | None = Field(
+        default=None,
+        ge=1,
+        le=9216,
+        description="Chips that shard parameters (FSDP). Default: every chip left.",
+    )
+    tensor: int = Field(default=1, ge=1, le=9216, description="Tensor-parallel axis size.")
+    data: int = Field(default=1, ge=1, le=9216, description="Data-parallel axis size within a slice.")
+
+
+class FsdpSpec(_Spec):
+    """PyTorch/XLA FSDPv2 (SPMD) settings."""
+
+    layer_cls_to_wrap: list[PythonName] | None = Field(
+        default=None,
+        max_length=16,
+        description=(
+            "Transformer layer classes to wrap (e.g. `LlamaDecoderLayer`, or a dotted import path). "
+            "Default: the model's own decoder layer class (`_no_split_modules`)."
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        default=True,
+        description="Recompute activations in the backward pass: far less memory for ~30% more compute.",
+    )
+    mesh: MeshSpec | None = Field(
+        default=None, description="Mesh axis sizes. Default: all chips of a slice on the fsdp axis."
+    )
+
+
+class LoraSpec(_Spec):
+    """LoRA adapter settings (method `lora`)."""
+
+    r: int = Field(default=16, ge=1, le=1024, description="Rank of the adapter matrices.")
+    alpha: int = Field(default=32, ge=1, le=4096, description="Scaling numerator (scale = alpha / r).")
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: list[ModuleName] | None = Field(
+        default=None,
+        max_length=32,
+        description=(
+            "Module names to adapt (e.g. q_proj, v_proj), or `all-linear`. Default: the PEFT default for "
+            "the model's architecture."
+        ),
+    )
+
+
+class TrainingSpec(_Spec):
+    """Hyperparameters. Set exactly one of maxSteps or epochs."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": cel.as_json(cel.training_rules())}
+    )
+
+    method: Literal["full", "lora"] = Field(
+        default="full", description="`full`: train every parameter. `lora`: train low-rank adapters only."
+    )
+    max_steps: int | None = Field(default=None, ge=1, le=10_000_000, description="Optimizer steps to run.")
+    epochs: float | None = Field(
+        default=None, gt=0, le=1000, description="Passes over the dataset (may be fractional)."
+    )
+    learning_rate: float = Field(default=2e-5, gt=0, le=1, description="Peak learning rate.")
+    per_device_batch_size: int = Field(
+        default=8, ge=1, le=4096, description="Sequences per chip per step (global batch = this x chips)."
+    )
+    max_seq_length: int = Field(
+        default=1024, ge=8, le=1_048_576, description="Tokens per sequence (padded or packed to this length)."
+    )
+    optimizer: Literal["adafactor", "adamw"] = Field(
+        default="adafactor",
+        description="`adafactor` (factored second moments, little memory) or `adamw` (two states per parameter).",
+    )
+    save_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Checkpoint every N steps (to output.uri). Default: at the end only.",
+    )
+    lora: LoraSpec | None = Field(default=None, description="LoRA settings; only with method `lora`.")
+
+
+class OutputSpec(_Spec):
+    """Where checkpoints and the final model go."""
+
+    uri: Annotated[str, StringConstraints(min_length=2, max_length=1024)] = Field(
+        description="A `gs://bucket/prefix` URI or an absolute path on a mounted volume."
+    )
+
+
+class Toleration(_Spec):
+    """A Kubernetes toleration, added to the trainer pods."""
+
+    key: Annotated[str, StringConstraints(max_length=317)] | None = Field(
+        default=None, description="Taint key; empty with operator Exists matches every taint."
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: Annotated[str, StringConstraints(max_length=63)] | None = Field(
+        default=None, description="Taint value (operator Equal)."
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+
+class KeyRef(_Spec):
+    """A key of a Secret or ConfigMap."""
+
+    name: DnsSubdomain = Field(description="Name of the Secret or ConfigMap.")
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = Field(
+        description="The key."
+    )
+    optional: bool | None = Field(default=None, description="Start even if the key does not exist.")
+
+
+class FieldRef(_Spec):
+    """A field of the pod (downward API)."""
+
+    field_path: Annotated[str, StringConstraints(min_length=1, max_length=256)] = Field(
+        description="Path of the field, e.g. `metadata.name` or `status.hostIP`."
+    )
+    api_version: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, description="API version of fieldPath (default v1)."
+    )
+
+
+class EnvVarSource(_Spec):
+    """Where an environment variable's value comes from (one of the fields)."""
+
+    secret_key_ref: KeyRef | None = Field(default=None, description="A key of a Secret.")
+    config_map_key_ref: KeyRef | None = Field(default=None, description="A key of a ConfigMap.")
+    field_ref: FieldRef | None = Field(default=None, description="A field of the pod.")
+
+
+class EnvVar(_Spec):
+    """An environment variable for the trainer container."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ENV_NAME)] = Field(
+        description="Variable name."
+    )
+    value: Annotated[str, StringConstraints(max_length=4096)] | None = Field(
+        default=None, description="Literal value."
+    )
+    value_from: EnvVarSource | None = Field(
+        default=None, description="Value from a Secret, ConfigMap or pod field."
+    )
+
+
+class VolumeMount(_Spec):
+    """Mounts one of spec.volumes into the trainer container."""
+
+    name: DnsLabel = Field(description="Name of a volume in spec.volumes.")
+    mount_path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")] = Field(
+        description="Absolute path in the container."
+    )
+    read_only: bool | None = Field(default=None, description="Mount read-only.")
+    sub_path: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Path inside the volume to mount instead of its root."
+    )
+
+
+class Resources(_Spec):
+    """Extra resources for the trainer container (CPU, memory, ephemeral storage). google.com/tpu is
+    set from the topology and must not appear here."""
+
+    requests: dict[str, Quantity] | None = Field(
+        default=None, max_length=16, description="Resource requests, e.g. {memory: 200Gi}."
+    )
+    limits: dict[str, Quantity] | None = Field(
+        default=None, max_length=16, description="Resource limits, e.g. {memory: 400Gi}."
+    )
+
+
+class TPUFineTuneSpec(_Spec):
+    """What to fine-tune, on which TPUs, and how."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": cel.as_json(cel.spec_rules())})
+
+    model: ModelSpec = Field(description="The base model.")
+    dataset: DatasetSpec = Field(description="The training data.")
+    tpu: TpuSpec = Field(description="TPU type, topology and number of slices.")
+    fsdp: FsdpSpec = Field(
+        default_factory=lambda: FsdpSpec(),
+        description="FSDPv2 settings: layers to wrap, gradient checkpointing, mesh.",
+        # The apiserver fills in {} so the defaults inside (gradientCheckpointing) always show.
+        json_schema_extra={"default": {}},
+    )
+    training: TrainingSpec = Field(description="Method and hyperparameters.")
+    output: OutputSpec = Field(description="Where the checkpoints and the final model are written.")
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = Field(
+        default=None, description="Trainer image. Default: the operator's configured trainer image."
+    )
+    suspend: bool = Field(
+        default=False,
+        description=(
+            "Suspend the run: pods are deleted, the JobSet stays; setting it back to false resumes from "
+            "the latest checkpoint. The only field that may change after creation."
+        ),
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description=(
+            "Restarts of the whole run after an infrastructure failure (crash, lost node, preemption), "
+            "each resuming from the latest checkpoint. A user error (bad config, missing data, out of "
+            "memory) fails at once. Raise it for Spot VMs."
+        ),
+    )
+    queue_name: DnsLabel | None = Field(
+        default=None,
+        description="Kueue LocalQueue to submit to. The run is created suspended and starts when Kueue admits it.",
+    )
+    priority_class_name: DnsSubdomain | None = Field(
+        default=None, description="PriorityClass of the trainer pods."
+    )
+    service_account_name: DnsSubdomain | None = Field(
+        default=None,
+        description=(
+            "Kubernetes ServiceAccount of the trainer pods: bind it to a Google service account (Workload "
+            "Identity) to read gs:// data and write the output."
+        ),
+    )
+    resources: Resources | None = Field(default=None, description="Extra CPU/memory requests and limits.")
+    tolerations: list[Toleration] | None = Field(
+        default=None, max_length=32, description="Extra tolerations for the trainer pods."
+    )
+    volumes: list[dict[str, Any]] | None = Field(
+        default=None,
+        max_length=16,
+        description=(
+            "Extra pod volumes (core/v1 Volume), e.g. a GCS FUSE CSI volume or a PersistentVolumeClaim. "
+            "Mount them with volumeMounts."
+        ),
+        json_schema_extra={"x-tpuft-volume-items": True},
+    )
+    volume_mounts: list[VolumeMount] | None = Field(
+        default=None, max_length=16, description="Mounts of spec.volumes into the trainer container."
+    )
+    env: list[EnvVar] | None = Field(
+        default=None, max_length=64, description="Extra environment variables for the trainer container."
+    )
+    pod_annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
+        default=None,
+        max_length=32,
+        description='Extra annotations on the trainer pods (e.g. gke-gcsfuse/volumes: "true" for GCS FUSE).',
+    )
+
+
+# ------------------------------------------------------------------------------------------- status
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    QUEUED = "Queued"
+    SUSPENDED = "Suspended"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Condition(_Spec):
+    """A standard Kubernetes condition (metav1.Condition)."""
+
+    type: Annotated[str, StringConstraints(min_length=1, max_length=316)] = Field(
+        description="Condition type, e.g. Ready, Running, Succeeded, Failed, Suspended, Admitted."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was computed from."
+    )
+    last_transition_time: datetime = Field(description="When the status last changed.")
+    reason: Annotated[
+        str,
+        StringConstraints(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"),
+    ] = Field(description="CamelCase reason for the last transition.")
+    message: Annotated[str, StringConstraints(max_length=32768)] = Field(
+        description="Human-readable details."
+    )
+
+
+class Progress(_Spec):
+    """Training progress as reported by the trainer's rank 0."""
+
+    step: int | None = Field(default=None, ge=0, description="Optimizer steps completed.")
+    total_steps: int | None = Field(default=None, ge=0, description="Steps the run will take in total.")
+    loss: float | None = Field(default=None, description="Latest training loss.")
+    tokens_per_second: float | None = Field(default=None, ge=0, description="Training throughput, all chips.")
+    eta_seconds: int | None = Field(default=None, ge=0, description="Estimated seconds to completion.")
+    update_time: datetime | None = Field(default=None, description="When the trainer last reported.")
+    summary: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, description="Short form for `kubectl get`, e.g. `120/1000 (12%)`."
+    )
+
+
+class TPUFineTuneStatus(_Spec):
+    """Observed state, written by the operator."""
+
+    phase: Phase | None = Field(
+        default=None, description="Pending, Queued, Suspended, Running, Succeeded or Failed."
+    )
+    conditions: list[Condition] | None = Field(
+        default=None,
+        max_length=16,
+        description="Standard conditions.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation this status was computed from."
+    )
+    job_set_name: Annotated[str, StringConstraints(max_length=63)] | None = Field(
+        default=None, description="Name of the JobSet running this fine-tune."
+    )
+    chips: int | None = Field(default=None, ge=0, description="TPU chips in use (all slices).")
+    hosts: int | None = Field(default=None, ge=0, description="TPU VMs (pods) in use (all slices).")
+    restarts: int | None = Field(default=None, ge=0, description="Restarts of the whole run so far.")
+    start_time: datetime | None = Field(default=None, description="When training first started.")
+    completion_time: datetime | None = Field(default=None, description="When the run succeeded or failed.")
+    progress: Progress | None = Field(default=None, description="Training progress.")
+    message: Annotated[str, StringConstraints(max_length=32768)] | None = Field(
+        default=None, description="Human-readable summary of the current state."
+    )
+
+
+class ObjectMeta(BaseModel):
+    """The subset of metav1.ObjectMeta the renderer reads; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class TPUFineTune(_Spec):
+    """A TPUFineTune resource as stored by the apiserver."""
+
+    api_version: Literal["tpuft.dev/v1alpha1"] = Field(
+        default="tpuft.dev/v1alpha1", description="tpuft.dev/v1alpha1"
+    )
+    kind: Literal["TPUFineTune"] = Field(default="TPUFineTune", description="TPUFineTune")
+    metadata: ObjectMeta
+    spec: TPUFineTuneSpec
+    status: TPUFineTuneStatus | None = None

@@ -1,0 +1,300 @@
+"""TPUFineTune -> JobSet (jobset.x-k8s.io/v1alpha2) and the ConfigMap holding the trainer config.
+
+Layout: one replicated job ``slice`` with one Job per TPU slice (replicas = slices) and one pod per
+TPU VM (parallelism = completions = hosts per slice, Indexed). Each pod requests all chips of its VM.
+
+Every field the JobSet webhook would default is set here explicitly (successPolicy, startupPolicy,
+network, completionMode, restartPolicy, failure-rule names, restartStrategy, groupName), so the object
+the operator creates is byte-for-byte what the apiserver stores and a GitOps diff stays empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tpuft_operator.api.models import API_VERSION, KIND, TPUFineTune
+from tpuft_operator.render import naming
+from tpuft_operator.render.settings import RenderSettings
+from tpuft_operator.topology import (
+    ACCELERATOR_LABEL,
+    NODEPOOL_LABEL,
+    PLACEMENT_POLICY_LABEL,
+    RESERVATION_LABEL,
+    SPOT_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+    SliceShape,
+)
+from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
+
+Obj = dict[str, Any]
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+CONTAINER = "trainer"
+CONFIG_VOLUME = "tpuft-config"
+CONFIG_DIR = "/etc/tpuft"
+CONFIG_KEY = "config.yaml"
+
+FINETUNE_LABEL = "tpuft.dev/finetune"
+FINETUNE_UID_LABEL = "tpuft.dev/finetune-uid"
+FINETUNE_ANNOTATION = "tpuft.dev/finetune"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+
+
+def owner_reference(ft: TPUFineTune) -> list[Obj]:
+    """The TPUFineTune as controller of what it renders; empty when the object has no uid yet
+    (`tpuft render` of a file): the apiserver needs a real uid."""
+    if not ft.metadata.uid:
+        return []
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": ft.metadata.name,
+            "uid": ft.metadata.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def common_labels(ft: TPUFineTune) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "tpuft-trainer",
+        "app.kubernetes.io/managed-by": "tpuft",
+        FINETUNE_LABEL: naming.label_value(ft.metadata.name),
+    }
+    if ft.metadata.uid:
+        labels[FINETUNE_UID_LABEL] = ft.metadata.uid
+    return labels
+
+
+def config_map(ft: TPUFineTune, config_yaml: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ft, naming.config_map_name(ft.metadata.name), common_labels(ft), {}),
+        "data": {CONFIG_KEY: config_yaml},
+    }
+
+
+def _metadata(ft: TPUFineTune, name: str, labels: dict[str, str], annotations: dict[str, str]) -> Obj:
+    meta: Obj = {
+        "name": name,
+        "namespace": ft.metadata.namespace,
+        "labels": labels,
+        "annotations": {FINETUNE_ANNOTATION: ft.metadata.name, **annotations},
+    }
+    owners = owner_reference(ft)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def node_selector(ft: TPUFineTune, shape: SliceShape) -> dict[str, str]:
+    tpu = ft.spec.tpu
+    selector = {ACCELERATOR_LABEL: shape.family.accelerator, TOPOLOGY_LABEL: shape.topology}
+    if tpu.placement_policy is not None:
+        selector[PLACEMENT_POLICY_LABEL] = tpu.placement_policy
+    if tpu.spot:
+        selector[SPOT_LABEL] = "true"
+    if tpu.reservation is not None:
+        selector[RESERVATION_LABEL] = tpu.reservation
+    return selector
+
+
+def tolerations(ft: TPUFineTune) -> list[Obj]:
+    # GKE taints TPU nodes google.com/tpu=present:NoSchedule and its admission adds this toleration to
+    # pods requesting TPUs; stating it keeps the pod identical on clusters without that plugin.
+    out: list[Obj] = [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if ft.spec.tpu.spot:
+        out.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    for t in ft.spec.tolerations or []:
+        out.append(t.model_dump(by_alias=True, exclude_none=True))
+    return out
+
+
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def env(ft: TPUFineTune, jobset: str, settings: RenderSettings) -> list[Obj]:
+    out: list[Obj] = [
+        # Which slice this pod belongs to, and how many times the JobSet restarted (resume decision);
+        # read by tpuft_trainer.world. Off GKE these replace the TPU_WORKER_* / MEGASCALE_* variables.
+        _field_env("TPUFT_SLICE_INDEX", f"metadata.labels['{JOB_INDEX_LABEL}']"),
+        _field_env("TPUFT_RESTART_ATTEMPT", f"metadata.annotations['{RESTART_ATTEMPT_ANNOTATION}']"),
+        {"name": "TPUFT_COORDINATOR_ADDRESS", "value": naming.coordinator_address(jobset)},
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+    ]
+    ref = ft.spec.model.token_secret_ref
+    if ref is not None:
+        # The token's only way in: a secretKeyRef, never the ConfigMap or the command line.
+        out.append(
+            {"name": settings.token_env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )
+    for e in ft.spec.env or []:
+        out.append(e.model_dump(by_alias=True, exclude_none=True))
+    return out
+
+
+def resources(ft: TPUFineTune, shape: SliceShape) -> Obj:
+    chips = str(shape.chips_per_host)
+    extra = ft.spec.resources
+    requests: dict[str, Any] = dict(extra.requests or {}) if extra else {}
+    limits: dict[str, Any] = dict(extra.limits or {}) if extra else {}
+    # Extended resources must have requests == limits; every chip of the VM, so no other pod shares it.
+    requests[TPU_RESOURCE] = chips
+    limits[TPU_RESOURCE] = chips
+    return {"requests": requests, "limits": limits}
+
+
+def security_context(settings: RenderSettings) -> tuple[Obj, Obj]:
+    """(pod, container) security contexts.
+
+    Why no `privileged`: GKE TPU pods reach the chips through the device plugin without privileged mode
+    since GKE 1.28. Why root stays possible: see RenderSettings.run_as_user.
+    """
+    pod: Obj = {"seccompProfile": {"type": "RuntimeDefault"}}
+    container: Obj = {"allowPrivilegeEscalation": False, "privileged": False}
+    if settings.run_as_user is not None:
+        pod.update(
+            {"runAsNonRoot": True, "runAsUser": settings.run_as_user, "runAsGroup": settings.run_as_user}
+        )
+        pod["fsGroup"] = settings.run_as_user
+        container["capabilities"] = {"drop": ["ALL"]}
+    return pod, container
+
+
+def pod_template(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: RenderSettings) -> Obj:
+    spec = ft.spec
+    pod_security, container_security = security_context(settings)
+    container: Obj = {
+        "name": CONTAINER,
+        "image": spec.image or settings.trainer_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        # Exec form, fixed arguments: no spec value is ever parsed by a shell.
+        "command": ["tpuft", "train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": env(ft, jobset, settings),
+        "resources": resources(ft, shape),
+        "securityContext": container_security,
+        "volumeMounts": [
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
+            *[m.model_dump(by_alias=True, exclude_none=True) for m in spec.volume_mounts or []],
+        ],
+    }
+    pod_spec: Obj = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": settings.termination_grace_period_seconds,
+        "nodeSelector": node_selector(ft, shape),
+        "tolerations": tolerations(ft),
+        "securityContext": pod_security,
+        "containers": [container],
+        "volumes": [
+            {
+                "name": CONFIG_VOLUME,
+                "configMap": {
+                    "name": naming.config_map_name(ft.metadata.name),
+                    "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}],
+                },
+            },
+            *[dict(v) for v in spec.volumes or []],
+        ],
+    }
+    if spec.service_account_name is not None:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.priority_class_name is not None:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    metadata: Obj = {"labels": common_labels(ft)}
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(spec.pod_annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
+    """(Job podFailurePolicy, JobSet failurePolicy): the user-error / infrastructure split.
+
+    A trainer exit code from `USER_ERROR_EXIT_CODES` (bad config, bad data, missing model, permission,
+    out of memory) fails its Job with reason PodFailurePolicy, and that reason fails the JobSet at once:
+    retrying cannot succeed and burns TPU hours. Any other failure (crash, SIGKILL, lost node,
+    preemption) fails the Job through backoffLimit 0, and the JobSet's default action restarts every
+    Job, up to maxRestarts, so all hosts resume together from the last checkpoint.
+
+    Why not `Ignore` on the DisruptionTarget condition: the Job controller would then replace only the
+    disrupted pod while its peers wait in a collective for a host that restarted from scratch; an SPMD
+    program has to restart as a whole.
+    """
+    pod_failure_policy: Obj = {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": sorted(int(code) for code in USER_ERROR_EXIT_CODES),
+                },
+            }
+        ]
+    }
+    jobset_failure_policy: Obj = {
+        "maxRestarts": ft.spec.max_restarts,
+        "restartStrategy": "Recreate",
+        "rules": [
+            {
+                "name": "userError",
+                "action": "FailJobSet",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+            }
+        ],
+    }
+    return pod_failure_policy, jobset_failure_policy
+
+
+def jobset(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings) -> Obj:
+    spec = ft.spec
+    name = naming.jobset_name(ft.metadata.name)
+    labels = common_labels(ft)
+    annotations: dict[str, str] = {}
+    if spec.queue_name is not None:
+        labels[KUEUE_QUEUE_LABEL] = spec.queue_name
+    if shape.multi_host or shape.slices > 1:
+        # One slice per node pool: JobSet places each Job's leader pod first and pins its followers
+        # to the leader's pool, so a slice never straddles two pools (multi-host pools are atomic).
+        annotations[EXCLUSIVE_TOPOLOGY_ANNOTATION] = NODEPOOL_LABEL
+    pod_failure_policy, jobset_failure_policy = failure_policies(ft)
+    hosts = shape.hosts_per_slice
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": _metadata(ft, name, labels, annotations),
+        "spec": {
+            # Kueue admits a queued run by unsuspending it, so it must be created suspended.
+            "suspend": spec.suspend or spec.queue_name is not None,
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": name},
+            "successPolicy": {"operator": "All"},
+            "startupPolicy": {"startupPolicyOrder": "AnyOrder"},
+            "failurePolicy": jobset_failure_policy,
+            "replicatedJobs": [
+                {
+                    "name": naming.REPLICATED_JOB,
+                    "groupName": "default",
+                    "replicas": shape.slices,
+                    "template": {
+                        "metadata": {"labels": common_labels(ft)},
+                        "spec": {
+                            "parallelism": hosts,
+                            "completions": hosts,
+                            "completionMode": "Indexed",
+                            "backoffLimit": 0,
+                            "podFailurePolicy": pod_failure_policy,
+                            "template": pod_template(ft, shape, name, settings),
+                        },
+                    },
+                }
+            ],
+        },
+    }

@@ -1,0 +1,27 @@
+"""What the renderer needs from the operator's configuration: a small frozen value, passed in.
+
+The operator builds one from its flags and environment (settings.py) and hands it to `render_run`;
+`tpuft render` uses the defaults. Nothing here reads the environment: rendering stays a pure function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/tpuft-trainer:0.1.0"
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    # Image of the trainer pods when spec.image is not set.
+    trainer_image: str = DEFAULT_TRAINER_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    # Environment variable that carries the hub token (from spec.model.tokenSecretRef) into the pod.
+    token_env: str = "HF_TOKEN"
+    # Time the trainer gets after SIGTERM (preemption, suspend) to finish writing a checkpoint.
+    termination_grace_period_seconds: int = 60
+    # When set, pods run as this non-root user and group. Off by default: GKE documents TPU pods
+    # without privileged mode (since 1.28) but not which device-file permissions a non-root user gets.
+    run_as_user: int | None = None
+    # How often rank 0 may patch the TPUFineTune's progress.
+    progress_min_interval_seconds: float = 10.0

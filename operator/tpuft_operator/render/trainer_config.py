@@ -1,0 +1,88 @@
+"""TPUFineTune spec -> the trainer's configuration (`tpuft_trainer.config.TrainerConfig`).
+
+Everything the trainer needs to know is written here, resolved: the mesh has explicit sizes, the
+world has the shape of the job, LoRA settings are present exactly when the method is LoRA. The hub
+token is not: only the *name* of the environment variable that will hold it.
+"""
+
+from __future__ import annotations
+
+from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.render.settings import RenderSettings
+from tpuft_operator.topology import SliceShape
+from tpuft_trainer.config import (
+    DatasetSource,
+    FsdpConfig,
+    LoraConfig,
+    MeshConfig,
+    ModelSource,
+    OutputConfig,
+    ProgressConfig,
+    TrainerConfig,
+    TrainingConfig,
+    WorldConfig,
+)
+
+
+def mesh_for(ft: TPUFineTune, shape: SliceShape) -> MeshConfig:
+    """Explicit axis sizes: fsdp takes every chip of a slice that tensor and data leave; DCN = slices."""
+    mesh = ft.spec.fsdp.mesh
+    tensor = mesh.tensor if mesh else 1
+    data = mesh.data if mesh else 1
+    fsdp = mesh.fsdp if mesh and mesh.fsdp is not None else shape.chips_per_slice // (tensor * data)
+    return MeshConfig(fsdp=fsdp, tensor=tensor, data=data, dcn_data=shape.slices)
+
+
+def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings) -> TrainerConfig:
+    spec = ft.spec
+    training = spec.training
+    lora = None
+    if training.method == "lora":
+        given = training.lora
+        lora = (
+            LoraConfig(
+                r=given.r, alpha=given.alpha, dropout=given.dropout, target_modules=given.target_modules
+            )
+            if given is not None
+            else LoraConfig()
+        )
+    return TrainerConfig(
+        model=ModelSource(
+            name=spec.model.name,
+            revision=spec.model.revision,
+            dtype=spec.model.dtype,
+            token_env=settings.token_env if spec.model.token_secret_ref is not None else None,
+        ),
+        dataset=DatasetSource(
+            name=spec.dataset.name,
+            split=spec.dataset.split,
+            format=spec.dataset.format,
+            text_field=spec.dataset.text_field,
+            messages_field=spec.dataset.messages_field,
+        ),
+        fsdp=FsdpConfig(
+            layer_cls_to_wrap=spec.fsdp.layer_cls_to_wrap,
+            gradient_checkpointing=spec.fsdp.gradient_checkpointing,
+            mesh=mesh_for(ft, shape),
+        ),
+        training=TrainingConfig(
+            method=training.method,
+            max_steps=training.max_steps,
+            epochs=training.epochs,
+            learning_rate=training.learning_rate,
+            per_device_batch_size=training.per_device_batch_size,
+            max_seq_length=training.max_seq_length,
+            optimizer=training.optimizer,
+            save_steps=training.save_steps,
+            lora=lora,
+        ),
+        output=OutputConfig(uri=spec.output.uri),
+        world=WorldConfig(
+            slices=shape.slices, hosts_per_slice=shape.hosts_per_slice, chips_per_host=shape.chips_per_host
+        ),
+        progress=ProgressConfig(
+            namespace=ft.metadata.namespace,
+            name=ft.metadata.name,
+            min_interval_seconds=settings.progress_min_interval_seconds,
+        ),
+    )
