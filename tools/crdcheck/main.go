@@ -26,6 +26,7 @@ import (
 	structuralpruning "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/pruning"
 	apiservervalidation "k8s.io/apiextensions-apiserver/pkg/apiserver/validation"
 	"k8s.io/apimachinery/pkg/runtime"
+	utiljson "k8s.io/apimachinery/pkg/util/json"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	celconfig "k8s.io/apiserver/pkg/apis/cel"
 	"sigs.k8s.io/yaml"
@@ -77,7 +78,13 @@ func main() {
 		return
 	}
 
-	props := crd.Spec.Versions[0].Schema.OpenAPIV3Schema
+	// The internal type keeps a schema shared by every version at the top level.
+	var props *apiextensions.JSONSchemaProps
+	if crd.Spec.Validation != nil {
+		props = crd.Spec.Validation.OpenAPIV3Schema
+	} else {
+		props = crd.Spec.Versions[0].Schema.OpenAPIV3Schema
+	}
 	structural, err := structuralschema.NewStructural(props)
 	must(err)
 	validator, _, err := apiservervalidation.NewSchemaValidator(props)
@@ -86,8 +93,11 @@ func main() {
 
 	casesData, err := os.ReadFile(os.Args[2])
 	must(err)
+	// Decode as the apiserver does: integral JSON numbers become int64, not float64.
+	casesJSON, err := yaml.YAMLToJSON(casesData)
+	must(err)
 	var cases []testCase
-	must(yaml.Unmarshal(casesData, &cases))
+	must(utiljson.Unmarshal(casesJSON, &cases))
 
 	results := map[string][]string{}
 	for _, c := range cases {

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from tpuft_operator.api import cel
+from tpuft_operator.topology import FAMILIES
 
 GROUP = "tpuft.dev"
 VERSION = "v1alpha1"
@@ -148,8 +149,10 @@ class TpuSpec(_Spec):
             "multi-host slices."
         ),
     )
-    chips_per_host: Literal[1, 4, 8] | None = Field(
+    chips_per_host: int | None = Field(
         default=None,
+        # The machine sizes of every family, from the catalog; which ones a type offers is a CEL rule.
+        json_schema_extra={"enum": sorted({c for f in FAMILIES.values() for c in f.machine_types})},
         description=(
             "Chips per TPU VM (the google.com/tpu request of each pod). Default: 4, or all chips when the "
             "slice has fewer. Set 8 to run a v5e/v6e 2x4 slice on one 8-chip VM instead of two 4-chip "

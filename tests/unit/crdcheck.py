@@ -1,0 +1,90 @@
+"""Runs tools/crdcheck: the apiserver's CRD and custom-resource validation, offline, from Go.
+
+Built once per source hash into $TPUFT_CACHE/bin (needs `go` and the modules in go.sum, which the
+local cluster build already fetched); tests that use it skip when `go` is missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = ROOT / "tools" / "crdcheck"
+JOBSET_CRD_RELATIVE = "sigs.k8s.io/jobset@v0.12.0/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml"
+
+
+def binary() -> Path:
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("needs the go toolchain to build tools/crdcheck")
+    digest = hashlib.sha256()
+    for name in ("main.go", "go.mod", "go.sum"):
+        digest.update((SOURCE / name).read_bytes())
+    cache = Path(os.environ.get("TPUFT_CACHE", Path.home() / ".cache" / "tpuft")) / "bin"
+    target = cache / f"crdcheck-{digest.hexdigest()[:12]}"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([go, "build", "-o", str(target), "."], cwd=SOURCE, check=True, timeout=900)
+    return target
+
+
+def jobset_crd() -> Path:
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("needs the go toolchain (module cache) for the JobSet CRD")
+    modcache = subprocess.run(
+        [go, "env", "GOMODCACHE"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    path = Path(modcache) / JOBSET_CRD_RELATIVE
+    if not path.exists():
+        pytest.skip(f"JobSet CRD not in the module cache: {path}")
+    return path
+
+
+def check_crd(crd_text: str) -> list[str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(crd_text)
+        f.flush()
+        out = subprocess.run([str(binary()), f.name], capture_output=True, text=True, timeout=120)
+    if out.returncode not in (0, 1):
+        raise RuntimeError(out.stderr)
+    result: list[str] = json.loads(out.stdout)
+    return result
+
+
+def admit(crd_path: Path, cases: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Case name -> error messages (empty: admitted). Each case: {name, object, old?}."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(cases, f)
+        f.flush()
+        out = subprocess.run(
+            [str(binary()), str(crd_path), f.name], capture_output=True, text=True, timeout=300
+        )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    result: dict[str, list[str]] = json.loads(out.stdout)["cases"]
+    return result
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """JSON merge patch (RFC 7386): dicts merge recursively, null deletes, anything else replaces."""
+    if not isinstance(patch, dict) or not isinstance(base, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge(out.get(key), value)
+    return out
