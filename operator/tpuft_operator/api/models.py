@@ -15,7 +15,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from tpuft_operator.api import cel
@@ -37,6 +37,7 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # The Kubernetes resource.Quantity grammar (the same pattern Kubernetes' own CRDs carry).
 QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 MAX_SLICES = 256
+_HOST_SIZES: list[JsonValue] = sorted({c for f in FAMILIES.values() for c in f.machine_types})
 
 DnsLabel = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_LABEL)]
 DnsSubdomain = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
@@ -152,7 +153,7 @@ class TpuSpec(_Spec):
     chips_per_host: int | None = Field(
         default=None,
         # The machine sizes of every family, from the catalog; which ones a type offers is a CEL rule.
-        json_schema_extra={"enum": sorted({c for f in FAMILIES.values() for c in f.machine_types})},
+        json_schema_extra={"enum": _HOST_SIZES},
         description=(
             "Chips per TPU VM (the google.com/tpu request of each pod). Default: 4, or all chips when the "
             "slice has fewer. Set 8 to run a v5e/v6e 2x4 slice on one 8-chip VM instead of two 4-chip "
