@@ -37,7 +37,7 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # The Kubernetes resource.Quantity grammar (the same pattern Kubernetes' own CRDs carry).
 QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 MAX_SLICES = 256
-_HOST_SIZES: list[JsonValue] = sorted({c for f in FAMILIES.values() for c in f.machine_types})
+_HOST_SIZES: list[JsonValue] = [*sorted({c for f in FAMILIES.values() for c in f.machine_types})]
 
 DnsLabel = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_LABEL)]
 DnsSubdomain = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]

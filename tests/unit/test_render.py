@@ -1,0 +1,273 @@
+"""Rendering properties over the whole catalog, and the details a golden file does not explain."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tpuft_trainer.config import TrainerConfig
+from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
+
+from tpuft_operator import topology
+from tpuft_operator.api.validation import SpecError
+from tpuft_operator.render import RenderSettings, render_run
+from tpuft_operator.render import naming
+from tpuft_operator.render.cli import render as render_command
+
+BASE: dict[str, Any] = {
+    "apiVersion": "tpuft.dev/v1alpha1",
+    "kind": "TPUFineTune",
+    "metadata": {"name": "run", "namespace": "ns", "uid": "00000000-0000-0000-0000-000000000001"},
+    "spec": {
+        "model": {"name": "google/gemma-2-2b"},
+        "dataset": {"name": "tatsu-lab/alpaca"},
+        "tpu": {"type": "v5e", "topology": "2x2"},
+        "training": {"maxSteps": 10},
+        "output": {"uri": "gs://bucket/out"},
+    },
+}
+
+
+def with_spec(**changes: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    obj["spec"].update(changes)
+    return obj
+
+
+def pod_spec(jobset: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    return spec
+
+
+def _shapes() -> list[tuple[str, str, int, int]]:
+    out = []
+    for fam in topology.FAMILIES.values():
+        for topo in topology.valid_shapes(fam):
+            chips = math.prod(topology.parse_topology(topo))
+            for per_host in topology.host_sizes_for(fam, chips):
+                out.append((fam.name, topo, per_host, chips))
+    return out
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(_shapes()), st.integers(min_value=1, max_value=16))
+def test_every_jobset_requests_exactly_the_chips_of_its_slices(
+    shape: tuple[str, str, int, int], slices: int
+) -> None:
+    tpu_type, topo, per_host, chips = shape
+    if chips <= per_host:
+        slices = 1  # multislice needs multi-host slices
+    run = render_run(
+        with_spec(tpu={"type": tpu_type, "topology": topo, "chipsPerHost": per_host, "slices": slices})
+    )
+    rjob = run.jobset["spec"]["replicatedJobs"][0]
+    job = rjob["template"]["spec"]
+    container = job["template"]["spec"]["containers"][0]
+    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    assert requests[topology.TPU_RESOURCE] == limits[topology.TPU_RESOURCE] == str(per_host)
+    assert job["parallelism"] == job["completions"] == chips // per_host
+    assert rjob["replicas"] == slices
+    assert int(requests[topology.TPU_RESOURCE]) * job["parallelism"] == chips
+    assert run.trainer_config.world.hosts_per_slice * run.trainer_config.world.chips_per_host == chips
+    mesh = run.trainer_config.fsdp.mesh
+    assert (mesh.fsdp or 0) * mesh.tensor * mesh.data == chips and mesh.dcn_data == slices
+    selector = job["template"]["spec"]["nodeSelector"]
+    assert selector[topology.TOPOLOGY_LABEL] == topo
+    exclusive = "alpha.jobset.sigs.k8s.io/exclusive-topology" in run.jobset["metadata"]["annotations"]
+    assert exclusive == (chips > per_host or slices > 1)
+
+
+@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-.", min_size=1, max_size=253))
+def test_names_stay_valid_dns_labels(name: str) -> None:
+    js = naming.jobset_name(name)
+    assert len(js) <= naming.MAX_JOBSET_NAME
+    assert js[0].isalpha() and js[-1].isalnum() and set(js) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
+    # the longest pod name JobSet will create: <jobset>-slice-<255>-<2303>-<5 random>
+    assert len(f"{js}-slice-255-2303-abcde") <= 63
+    assert len(naming.label_value(name)) <= 63
+    assert naming.jobset_name(name) == js  # deterministic
+
+
+def test_distinct_long_names_get_distinct_jobsets() -> None:
+    a, b = "x" * 60 + "-a", "x" * 60 + "-b"
+    assert naming.jobset_name(a) != naming.jobset_name(b)
+
+
+def test_short_valid_name_is_kept() -> None:
+    assert render_run(BASE).jobset_name == "run"
+
+
+def test_owner_reference_and_labels_link_both_ways() -> None:
+    run = render_run(BASE)
+    for obj in run.objects:
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "tpuft.dev/v1alpha1",
+            "kind": "TPUFineTune",
+            "name": "run",
+            "uid": BASE["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert obj["metadata"]["labels"]["tpuft.dev/finetune"] == "run"
+        assert obj["metadata"]["namespace"] == "ns"
+
+
+def test_no_owner_reference_without_uid() -> None:
+    obj = copy.deepcopy(BASE)
+    del obj["metadata"]["uid"]
+    assert "ownerReferences" not in render_run(obj).jobset["metadata"]
+
+
+def test_token_only_through_secret_key_ref() -> None:
+    obj = with_spec(
+        model={"name": "meta-llama/Llama-3.1-8B", "tokenSecretRef": {"name": "hf", "key": "token"}}
+    )
+    run = render_run(obj, RenderSettings(token_env="HF_TOKEN"))
+    env = pod_spec(run.jobset)["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+    config = TrainerConfig.from_yaml(run.config_map["data"]["config.yaml"])
+    assert config.model.token_env == "HF_TOKEN"
+    assert "secretKeyRef" not in run.config_map["data"]["config.yaml"]
+
+
+def test_command_is_exec_form_and_never_carries_spec_values() -> None:
+    hostile = "x; rm -rf / #$(reboot)"
+    obj = with_spec(dataset={"name": "/data/" + hostile})
+    container = pod_spec(render_run(obj).jobset)["containers"][0]
+    assert container["command"] == ["tpuft", "train", "--config", "/etc/tpuft/config.yaml"]
+    assert "args" not in container
+
+
+def test_failure_policy_split() -> None:
+    spec = render_run(with_spec(maxRestarts=7)).jobset["spec"]
+    assert spec["failurePolicy"]["maxRestarts"] == 7
+    assert spec["failurePolicy"]["rules"] == [
+        {"name": "userError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    ]
+    job = spec["replicatedJobs"][0]["template"]["spec"]
+    assert job["backoffLimit"] == 0 and job["completionMode"] == "Indexed"
+    (rule,) = job["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob"
+    assert rule["onExitCodes"] == {
+        "containerName": "trainer",
+        "operator": "In",
+        "values": sorted(USER_ERROR_EXIT_CODES),
+    }
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_webhook_defaults_are_explicit() -> None:
+    spec = render_run(BASE).jobset["spec"]
+    assert spec["successPolicy"] == {"operator": "All"}
+    assert spec["startupPolicy"] == {"startupPolicyOrder": "AnyOrder"}
+    assert spec["network"] == {
+        "enableDNSHostnames": True,
+        "publishNotReadyAddresses": True,
+        "subdomain": "run",
+    }
+    assert spec["replicatedJobs"][0]["groupName"] == "default"
+    assert spec["failurePolicy"]["restartStrategy"] == "Recreate"
+
+
+@pytest.mark.parametrize(
+    ("changes", "suspended", "queue"),
+    [({}, False, None), ({"suspend": True}, True, None), ({"queueName": "q"}, True, "q")],
+)
+def test_suspend_and_kueue(changes: dict[str, Any], suspended: bool, queue: str | None) -> None:
+    js = render_run(with_spec(**changes)).jobset
+    assert js["spec"]["suspend"] is suspended
+    assert js["metadata"]["labels"].get("kueue.x-k8s.io/queue-name") == queue
+
+
+def test_spot_and_reservation_selectors() -> None:
+    obj = with_spec(tpu={"type": "v5p", "topology": "2x2x2", "spot": True, "reservation": "res-a"})
+    pod = pod_spec(render_run(obj).jobset)
+    assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+    assert pod["nodeSelector"]["cloud.google.com/reservation-name"] == "res-a"
+    assert {
+        "key": "cloud.google.com/gke-spot",
+        "operator": "Equal",
+        "value": "true",
+        "effect": "NoSchedule",
+    } in pod["tolerations"]
+
+
+def test_security_context() -> None:
+    pod = pod_spec(render_run(BASE).jobset)
+    assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    assert "runAsNonRoot" not in pod["securityContext"]
+    pod = pod_spec(render_run(BASE, RenderSettings(run_as_user=1000)).jobset)
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+
+
+def test_trainer_env_for_the_world() -> None:
+    env = {e["name"]: e for e in pod_spec(render_run(BASE).jobset)["containers"][0]["env"]}
+    assert env["TPUFT_RESTART_ATTEMPT"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
+    )
+    assert env["TPUFT_SLICE_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['jobset.sigs.k8s.io/job-index']"
+    )
+    assert env["TPUFT_COORDINATOR_ADDRESS"]["value"] == "run-slice-0-0.run"
+
+
+def test_trainer_config_round_trips_and_names_the_progress_target() -> None:
+    run = render_run(with_spec(training={"method": "lora", "epochs": 2, "lora": {"r": 8}}))
+    config = TrainerConfig.from_yaml(run.config_map["data"]["config.yaml"])
+    assert config == run.trainer_config
+    assert (config.progress.namespace, config.progress.name) == ("ns", "run")
+    assert config.training.lora is not None and config.training.lora.r == 8
+    assert config.training.epochs == 2 and config.training.max_steps is None
+
+
+def test_lora_method_without_settings_uses_defaults() -> None:
+    run = render_run(with_spec(training={"method": "lora", "maxSteps": 5}))
+    assert run.trainer_config.training.lora is not None
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"fsdp": {"mesh": {"fsdp": 3}}}, "spec.fsdp.mesh"),
+        ({"output": {"uri": "relative/path"}}, "spec.output.uri"),
+        ({"output": {"uri": "gs://B"}}, "spec.output.uri"),
+        ({"model": {"name": "not a model id"}}, "spec.model.name"),
+        ({"fsdp": {"layerClsToWrap": ["Llama Decoder"]}}, "spec.fsdp.layerClsToWrap[0]"),
+        ({"resources": {"limits": {"google.com/tpu": 8}}}, "spec.resources.limits"),
+        ({"env": [{"name": "TPUFT_SLICE_INDEX", "value": "3"}]}, "spec.env[0].name"),
+        ({"volumeMounts": [{"name": "data", "mountPath": "/data"}]}, "spec.volumeMounts[0].name"),
+        ({"training": {"maxSteps": 5, "learningRate": -1}}, "spec.training.learningRate"),
+        ({"tpu": {"type": "v5e", "topology": "2x2x2"}}, "spec.tpu.topology"),
+    ],
+)
+def test_render_raises_spec_error_naming_the_field(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as error:
+        render_run(with_spec(**changes))
+    assert field in [e.field for e in error.value.errors]
+
+
+def test_cli_renders_yaml_and_json(tmp_path: Any) -> None:
+    path = tmp_path / "ft.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    runner = CliRunner()
+    result = runner.invoke(render_command, ["-f", str(path)])
+    assert result.exit_code == 0, result.output
+    kinds = [d["kind"] for d in yaml.safe_load_all(result.output)]
+    assert kinds == ["ConfigMap", "JobSet"]
+    result = runner.invoke(render_command, ["-f", str(path), "-o", "json"])
+    assert result.exit_code == 0 and '"kind": "List"' in result.output
+
+
+def test_cli_invalid_input_names_field_and_reason(tmp_path: Any) -> None:
+    path = tmp_path / "ft.yaml"
+    path.write_text(yaml.safe_dump(with_spec(tpu={"type": "v5e", "topology": "2x2", "slices": 2})))
+    result = CliRunner().invoke(render_command, ["-f", str(path)])
+    assert result.exit_code != 0
+    assert "spec.tpu.slices" in result.output and "multislice" in result.output
