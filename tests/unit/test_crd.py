@@ -56,7 +56,7 @@ def test_every_field_has_a_description() -> None:
 def test_schema_is_structural() -> None:
     for path, node in _walk("", _root()):
         assert "type" in node or node.get("x-kubernetes-int-or-string"), path
-        assert "$ref" not in node and "anyOf" not in node or node.get("x-kubernetes-int-or-string"), path
+        assert ("$ref" not in node and "anyOf" not in node) or node.get("x-kubernetes-int-or-string"), path
         assert "title" not in node, path
 
 

@@ -11,14 +11,13 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
 
 from tpuft_operator import topology
 from tpuft_operator.api.validation import SpecError
-from tpuft_operator.render import RenderSettings, render_run
-from tpuft_operator.render import naming
+from tpuft_operator.render import RenderSettings, naming, render_run
 from tpuft_operator.render.cli import render as render_command
+from tpuft_trainer.config import TrainerConfig
+from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
 
 BASE: dict[str, Any] = {
     "apiVersion": "tpuft.dev/v1alpha1",
