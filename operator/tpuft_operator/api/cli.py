@@ -9,6 +9,7 @@ import click
 
 from tpuft_operator.api.crd import CRD_NAME, crd_yaml
 from tpuft_operator.api.reference import api_markdown
+from tpuft_operator.topology_doc import topology_markdown
 
 
 def generated_files(root: Path) -> dict[Path, str]:
@@ -18,6 +19,7 @@ def generated_files(root: Path) -> dict[Path, str]:
         root / "crds" / f"{CRD_NAME}.yaml": text,
         root / "charts" / "tpuft" / "crds" / f"{CRD_NAME}.yaml": text,
         root / "docs" / "api.md": api_markdown(),
+        root / "docs" / "topology.md": topology_markdown(),
     }
 
 
@@ -28,7 +30,9 @@ def _repo_root() -> Path:
 
 
 @click.command(name="crd")
-@click.option("--write", is_flag=True, help="Write crds/, charts/tpuft/crds/ and docs/api.md.")
+@click.option(
+    "--write", is_flag=True, help="Write crds/, charts/tpuft/crds/, docs/api.md and docs/topology.md."
+)
 @click.option("--check", is_flag=True, help="Exit 1 if the committed files differ from the models.")
 @click.option(
     "--root",

@@ -1,0 +1,471 @@
+"""`tpuft plan`: the TPU shape of a TPUFineTune and an estimate of memory per chip. Pure functions.
+
+The estimate, per chip, for a decoder-only transformer trained with FSDPv2 (PyTorch/XLA SPMD):
+
+- parameters: every weight, sharded over the fsdp x tensor axes (slices replicate them: DCN is the
+  data axis), in the model dtype;
+- gradients: one per *trainable* weight (all of them for `full`, the adapters for `lora`), sharded
+  like the weights, in the model dtype;
+- optimizer state, sharded like the weights: `adamw` keeps two values per trainable weight in the
+  weight dtype (PyTorch creates them with `zeros_like`); `adafactor` (as configured by Hugging Face:
+  no first moment, factored second moment) keeps one row and one column vector per matrix;
+- activations for one chip's batch (perDeviceBatchSize x maxSeqLength tokens), per layer and token:
+  the tensors a Llama-style layer saves for backward, 7h + 2·kv + 4·I values (h hidden size, kv the
+  key/value width, I the MLP width; 2·I for a non-gated MLP), plus 2·heads·seq values of attention
+  scores and probabilities (eager attention materialises them). With gradient checkpointing only each
+  layer's input (h values per token) is kept, and one layer at a time is recomputed;
+- logits: vocab values per token in the model dtype plus the float32 copy the loss is computed in.
+
+Not counted (hence a 10% headroom): XLA's temporary buffers and fragmentation, the runtime itself,
+tensor-parallel sharding of activations (which would only lower the estimate). The numbers are an
+estimate to choose a shape with; the trainer exits with OUT_OF_MEMORY (78) if reality disagrees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.topology import SliceShape, resolve
+
+GIB = 1024**3
+HEADROOM = 0.10  # fraction of HBM left for XLA workspace, fragmentation and the runtime
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Mistral, Qwen2 and Gemma
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the estimate needs to know about a model. ``params`` alone is enough for the weights;
+    the other fields (from a config.json) make the activation estimate exact rather than guessed."""
+
+    params: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int
+    gated_mlp: bool = True
+    source: str = ""
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+def dims(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    vocab_size: int,
+    head_dim: int | None = None,
+    tied_embeddings: bool = False,
+    gated_mlp: bool = True,
+    source: str = "",
+) -> ModelDims:
+    """ModelDims with the parameter count computed from the architecture (Llama-style layers)."""
+    kv_heads = num_kv_heads or num_heads
+    hd = head_dim or hidden_size // num_heads
+    h, i = hidden_size, intermediate_size
+    attention = h * num_heads * hd * 2 + h * kv_heads * hd * 2  # q, o; k, v
+    mlp = (3 if gated_mlp else 2) * h * i
+    per_layer = attention + mlp + 2 * h  # + two norms
+    embeddings = vocab_size * h * (1 if tied_embeddings else 2)
+    return ModelDims(
+        params=num_layers * per_layer + embeddings + h,
+        hidden_size=h,
+        num_layers=num_layers,
+        intermediate_size=i,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        vocab_size=vocab_size,
+        head_dim=hd,
+        gated_mlp=gated_mlp,
+        source=source,
+    )
+
+
+def _hub(model_id: str, **kwargs: Any) -> ModelDims:
+    return dims(source=f"built-in table (config.json of huggingface.co/{model_id})", **kwargs)
+
+
+# Architectures of well-known models, copied from each repository's config.json on the Hugging Face
+# hub, so `tpuft plan` works offline for them. Anything else: a local config.json, the HF cache, or
+# --params-billions.
+KNOWN_MODELS: dict[str, ModelDims] = {
+    "meta-llama/Llama-3.2-1B": _hub(
+        "meta-llama/Llama-3.2-1B",
+        hidden_size=2048,
+        num_layers=16,
+        intermediate_size=8192,
+        num_heads=32,
+        num_kv_heads=8,
+        vocab_size=128256,
+        tied_embeddings=True,
+    ),
+    "meta-llama/Llama-3.2-3B": _hub(
+        "meta-llama/Llama-3.2-3B",
+        hidden_size=3072,
+        num_layers=28,
+        intermediate_size=8192,
+        num_heads=24,
+        num_kv_heads=8,
+        vocab_size=128256,
+        tied_embeddings=True,
+    ),
+    "meta-llama/Llama-3.1-8B": _hub(
+        "meta-llama/Llama-3.1-8B",
+        hidden_size=4096,
+        num_layers=32,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        vocab_size=128256,
+    ),
+    "meta-llama/Llama-3.1-70B": _hub(
+        "meta-llama/Llama-3.1-70B",
+        hidden_size=8192,
+        num_layers=80,
+        intermediate_size=28672,
+        num_heads=64,
+        num_kv_heads=8,
+        vocab_size=128256,
+    ),
+    "google/gemma-2-2b": _hub(
+        "google/gemma-2-2b",
+        hidden_size=2304,
+        num_layers=26,
+        intermediate_size=9216,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=256,
+        vocab_size=256000,
+        tied_embeddings=True,
+    ),
+    "google/gemma-2-9b": _hub(
+        "google/gemma-2-9b",
+        hidden_size=3584,
+        num_layers=42,
+        intermediate_size=14336,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        vocab_size=256000,
+        tied_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-0.5B": _hub(
+        "Qwen/Qwen2.5-0.5B",
+        hidden_size=896,
+        num_layers=24,
+        intermediate_size=4864,
+        num_heads=14,
+        num_kv_heads=2,
+        vocab_size=151936,
+        tied_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-1.5B": _hub(
+        "Qwen/Qwen2.5-1.5B",
+        hidden_size=1536,
+        num_layers=28,
+        intermediate_size=8960,
+        num_heads=12,
+        num_kv_heads=2,
+        vocab_size=151936,
+        tied_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-7B": _hub(
+        "Qwen/Qwen2.5-7B",
+        hidden_size=3584,
+        num_layers=28,
+        intermediate_size=18944,
+        num_heads=28,
+        num_kv_heads=4,
+        vocab_size=152064,
+    ),
+    "mistralai/Mistral-7B-v0.1": _hub(
+        "mistralai/Mistral-7B-v0.1",
+        hidden_size=4096,
+        num_layers=32,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        vocab_size=32000,
+    ),
+}
+# Instruct variants share the architecture of their base model.
+for _base in (
+    "meta-llama/Llama-3.2-1B",
+    "meta-llama/Llama-3.2-3B",
+    "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-70B",
+):
+    KNOWN_MODELS[f"{_base}-Instruct"] = KNOWN_MODELS[_base]
+for _base in ("google/gemma-2-2b", "google/gemma-2-9b"):
+    KNOWN_MODELS[f"{_base}-it"] = KNOWN_MODELS[_base]
+for _base in ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-7B"):
+    KNOWN_MODELS[f"{_base}-Instruct"] = KNOWN_MODELS[_base]
+
+
+def dims_from_config(config: dict[str, Any], source: str) -> ModelDims:
+    """ModelDims from a Hugging Face config.json (Llama/Gemma/Qwen/Mistral keys, or GPT-2's)."""
+    if "text_config" in config and "hidden_size" not in config:
+        config = config["text_config"]  # multimodal wrappers keep the language model inside
+    if "hidden_size" in config:
+        return dims(
+            hidden_size=int(config["hidden_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            intermediate_size=int(config.get("intermediate_size") or 4 * int(config["hidden_size"])),
+            num_heads=int(config["num_attention_heads"]),
+            num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+            vocab_size=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            gated_mlp=config.get("hidden_act", config.get("hidden_activation", "silu"))
+            not in ("gelu_new", "relu"),
+            source=source,
+        )
+    if "n_embd" in config:  # GPT-2 style
+        h = int(config["n_embd"])
+        return dims(
+            hidden_size=h,
+            num_layers=int(config["n_layer"]),
+            intermediate_size=int(config.get("n_inner") or 4 * h),
+            num_heads=int(config["n_head"]),
+            vocab_size=int(config["vocab_size"]),
+            tied_embeddings=True,
+            gated_mlp=False,
+            source=source,
+        )
+    raise ValueError(f"{source}: no hidden_size or n_embd; not a decoder-only transformer config")
+
+
+def dims_from_params(params: int, source: str) -> ModelDims:
+    """A typical architecture for ``params`` weights, when no config is available.
+
+    Decoder-only LLMs keep about 128 hidden units per layer (Llama 3 8B: 4096/32) and put ~12·h² weights
+    in a layer, so params ≈ 12·h³/128; the rest follows Llama 3's ratios.
+    """
+    h = max(256, round((params * 128 / 12) ** (1 / 3) / 128) * 128)
+    return replace(
+        dims(
+            hidden_size=h,
+            num_layers=max(1, round(params / (12 * h * h))),
+            intermediate_size=int(3.5 * h),
+            num_heads=max(1, h // 128),
+            num_kv_heads=max(1, h // 512),
+            vocab_size=128256,
+        ),
+        params=params,
+        source=source,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryLine:
+    name: str
+    bytes: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    shape: SliceShape
+    mesh: tuple[int, int, int, int]  # fsdp, tensor, data (ICI, within a slice), dcn (slices)
+    model: ModelDims
+    method: str
+    trainable_params: int
+    lines: list[MemoryLine]
+    hbm_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(line.bytes for line in self.lines)
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hbm_bytes * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+
+def lora_trainable(
+    model: ModelDims, r: int, targets: tuple[str, ...] | list[str] | None
+) -> tuple[int, list[str]]:
+    """Adapter weights: r x (in + out) per adapted matrix per layer. Returns (count, notes)."""
+    names = list(targets) if targets else list(LORA_DEFAULT_TARGETS)
+    if "all-linear" in names:
+        names = list(ALL_LINEAR)
+    h, i = model.hidden_size, model.intermediate_size
+    shapes = {
+        "q_proj": (h, model.q_width),
+        "k_proj": (h, model.kv_width),
+        "v_proj": (h, model.kv_width),
+        "o_proj": (model.q_width, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+    notes = []
+    total = 0
+    for name in names:
+        fan_in, fan_out = shapes.get(name, (h, h))
+        if name not in shapes:
+            notes.append(f"LoRA target {name!r} is not a Llama-style projection; counted as h x h")
+        total += r * (fan_in + fan_out) * model.num_layers
+    return total, notes
+
+
+def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
+    """Shape and memory per chip for a validated TPUFineTune and a model's dimensions."""
+    spec = ft.spec
+    tpu, training = spec.tpu, spec.training
+    shape = resolve(tpu.type, tpu.topology, slices=tpu.slices, chips_per_host=tpu.chips_per_host)
+    mesh_spec = spec.fsdp.mesh
+    tensor = mesh_spec.tensor if mesh_spec else 1
+    data = mesh_spec.data if mesh_spec else 1
+    fsdp = mesh_spec.fsdp if mesh_spec and mesh_spec.fsdp else shape.chips_per_slice // (tensor * data)
+    shard = fsdp * tensor
+    w = DTYPE_BYTES[spec.model.dtype]
+    notes: list[str] = []
+
+    if training.method == "lora":
+        lora = training.lora
+        r = lora.r if lora else 16
+        trainable, lora_notes = lora_trainable(model, r, lora.target_modules if lora else None)
+        notes += lora_notes
+    else:
+        trainable = model.params
+
+    lines = [
+        MemoryLine(
+            "parameters",
+            model.params * w / shard,
+            f"{_count(model.params)} x {w} B / {shard} (fsdp x tensor)",
+        ),
+        MemoryLine("gradients", trainable * w / shard, f"{_count(trainable)} trainable x {w} B / {shard}"),
+    ]
+    if training.optimizer == "adamw":
+        lines.append(
+            MemoryLine("optimizer", 2 * trainable * w / shard, f"adamw: 2 states x {w} B per trainable")
+        )
+    else:
+        factored = 2 * trainable / model.hidden_size
+        lines.append(
+            MemoryLine("optimizer", factored * 4 / shard, "adafactor: a row + a column vector per matrix")
+        )
+
+    b, s = training.per_device_batch_size, training.max_seq_length
+    tokens = b * s
+    mlp = (4 if model.gated_mlp else 2) * model.intermediate_size
+    per_token_layer = (7 * model.hidden_size + 2 * model.kv_width + mlp) * w
+    scores = 2 * model.num_heads * s * w  # scores + probabilities, per token, eager attention
+    one_layer = tokens * (per_token_layer + scores)
+    if spec.fsdp.gradient_checkpointing:
+        activations = model.num_layers * tokens * model.hidden_size * w + one_layer
+        how = f"checkpointing: {model.num_layers} layer inputs + 1 layer recomputed"
+    else:
+        activations = model.num_layers * one_layer
+        how = f"no checkpointing: all {model.num_layers} layers kept"
+    lines.append(MemoryLine("activations", activations, f"{b} x {s} tokens per chip; {how}"))
+    lines.append(
+        MemoryLine(
+            "logits", tokens * model.vocab_size * (w + 4), f"{model.vocab_size} vocab, + float32 for the loss"
+        )
+    )
+
+    return Plan(
+        name=f"{ft.metadata.namespace}/{ft.metadata.name}",
+        shape=shape,
+        mesh=(fsdp, tensor, data, shape.slices),
+        model=model,
+        method=training.method,
+        trainable_params=trainable,
+        lines=lines,
+        hbm_bytes=shape.family.hbm_gib_per_chip * GIB,
+        notes=notes,
+    )
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(int(n))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def suggestions(p: Plan, ft: TPUFineTune) -> list[str]:
+    """What to change when it does not fit, largest lever first."""
+    out = []
+    if not ft.spec.fsdp.gradient_checkpointing:
+        out.append("turn on fsdp.gradientCheckpointing")
+    if ft.spec.training.per_device_batch_size > 1:
+        out.append("lower training.perDeviceBatchSize")
+    if p.method == "full":
+        out.append("use training.method: lora")
+    if ft.spec.training.optimizer == "adamw":
+        out.append("use training.optimizer: adafactor")
+    out.append("use a larger topology (weights shard over every chip of a slice)")
+    return out
+
+
+def format_plan(p: Plan, ft: TPUFineTune) -> str:
+    shape, fam = p.shape, p.shape.family
+    fsdp, tensor, data, dcn = p.mesh
+    rows = [
+        f"TPUFineTune {p.name}",
+        "",
+        "Shape",
+        f"  type        {fam.name} ({fam.accelerator}), topology {shape.topology}, {shape.slices} slice(s)",
+        f"  chips       {shape.chips} ({shape.chips_per_slice} per slice)",
+        f"  hosts       {shape.hosts} ({shape.hosts_per_slice} per slice), {shape.chips_per_host} chips per host,"
+        f" machine {shape.machine_type}",
+        f"  mesh        fsdp={fsdp} tensor={tensor} data={data} within a slice (ICI); dcn={dcn} across slices",
+        f"  HBM         {fam.hbm_gib_per_chip} GiB per chip",
+        "",
+        f"Model {ft.spec.model.name}: {_count(p.model.params)} parameters",
+        f"  source      {p.model.source}",
+        f"  method      {p.method}: {_count(p.trainable_params)} trainable; optimizer {ft.spec.training.optimizer};"
+        f" dtype {ft.spec.model.dtype}",
+        "",
+        "Memory per chip (estimate)",
+    ]
+    rows += [f"  {line.name:<12}{_gib(line.bytes)}   {line.detail}" for line in p.lines]
+    share = p.total_bytes / p.hbm_bytes
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    rows.append(
+        f"  {'total':<12}{_gib(p.total_bytes)}   {share:.0%} of {fam.hbm_gib_per_chip} GiB: {verdict}"
+    )
+    if not p.fits:
+        rows.append(
+            f"WARNING: the estimate exceeds {1 - HEADROOM:.0%} of HBM ({_gib(p.usable_bytes).strip()}); "
+            "the run would likely fail with OUT_OF_MEMORY. Try: " + "; ".join(suggestions(p, ft)) + "."
+        )
+    elif share > 0.75:
+        rows.append("note: tight; XLA's temporary buffers may push it over. Leave some margin.")
+    rows += ["", *[f"note: {n}" for n in p.notes]] if p.notes else []
+    rows += [
+        "",
+        "Assumptions: Llama-style decoder layers; weights, gradients and optimizer state sharded over",
+        "fsdp x tensor and replicated across slices; activations of one chip's batch, eager attention;",
+        f"{HEADROOM:.0%} of HBM kept for XLA buffers and the runtime. See docs/plan.md.",
+    ]
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,180 @@
+"""`tpuft plan`: parameter counts, the memory estimate's arithmetic, config discovery, the CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from tpuft_operator import plan as planning
+from tpuft_operator.api.validation import parse
+from tpuft_operator.plan_cli import find_config
+from tpuft_operator.plan_cli import plan as plan_command
+
+FT: dict[str, Any] = {
+    "apiVersion": "tpuft.dev/v1alpha1",
+    "kind": "TPUFineTune",
+    "metadata": {"name": "p"},
+    "spec": {
+        "model": {"name": "meta-llama/Llama-3.1-8B"},
+        "dataset": {"name": "tatsu-lab/alpaca"},
+        "tpu": {"type": "v5p", "topology": "2x2x4"},
+        "training": {"maxSteps": 10, "perDeviceBatchSize": 4, "maxSeqLength": 1024},
+        "output": {"uri": "gs://bucket/out"},
+    },
+}
+
+
+def ft(**spec_changes: Any) -> Any:
+    obj = copy.deepcopy(FT)
+    for key, value in spec_changes.items():
+        obj["spec"][key] = {**obj["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+    return parse(obj)
+
+
+# Published parameter counts (model cards), to check the architecture arithmetic.
+@pytest.mark.parametrize(
+    ("model", "billions"),
+    [
+        ("meta-llama/Llama-3.1-8B", 8.03),
+        ("meta-llama/Llama-3.1-70B", 70.6),
+        ("meta-llama/Llama-3.2-1B", 1.24),
+        ("google/gemma-2-2b", 2.61),
+        ("google/gemma-2-9b", 9.24),
+        ("Qwen/Qwen2.5-7B", 7.61),
+        ("mistralai/Mistral-7B-v0.1", 7.24),
+    ],
+)
+def test_known_model_sizes(model: str, billions: float) -> None:
+    assert planning.KNOWN_MODELS[model].params / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_dims_from_a_llama_config_match_the_table() -> None:
+    config = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    }
+    assert (
+        planning.dims_from_config(config, "x").params
+        == planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"].params
+    )
+
+
+def test_dims_from_params_is_a_plausible_shape() -> None:
+    guessed = planning.dims_from_params(8_000_000_000, "guess")
+    assert guessed.params == 8_000_000_000
+    assert 3584 <= guessed.hidden_size <= 5120 and 24 <= guessed.num_layers <= 48
+
+
+def test_weights_shard_over_the_slice() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    small = planning.plan(ft(tpu={"topology": "2x2x2"}), model)
+    large = planning.plan(ft(tpu={"topology": "2x2x4"}), model)
+    assert small.lines[0].bytes == pytest.approx(2 * large.lines[0].bytes)
+    assert large.mesh == (16, 1, 1, 1)
+
+
+def test_lora_trains_few_weights_and_needs_less_memory() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    full = planning.plan(ft(training={"optimizer": "adamw"}), model)
+    lora = planning.plan(ft(training={"method": "lora", "optimizer": "adamw", "lora": {"r": 16}}), model)
+    # q_proj + v_proj at r=16: 16 x ((4096+4096) + (4096+1024)) x 32 layers
+    assert lora.trainable_params == 16 * (8192 + 5120) * 32
+    assert lora.total_bytes < full.total_bytes
+    assert lora.lines[0].bytes == full.lines[0].bytes  # the frozen base is still there
+
+
+def test_gradient_checkpointing_lowers_activations() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    on = planning.plan(ft(), model)
+    off = planning.plan(ft(fsdp={"gradientCheckpointing": False}), model)
+    assert off.lines[3].bytes > 5 * on.lines[3].bytes
+
+
+def test_adamw_state_is_twice_the_weights() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    p = planning.plan(ft(training={"optimizer": "adamw"}), model)
+    assert p.lines[2].bytes == pytest.approx(2 * p.lines[0].bytes)
+
+
+def test_70b_full_on_one_v5e_host_does_not_fit() -> None:
+    p = planning.plan(
+        ft(model={"name": "meta-llama/Llama-3.1-70B"}, tpu={"type": "v5e", "topology": "2x2"}),
+        planning.KNOWN_MODELS["meta-llama/Llama-3.1-70B"],
+    )
+    assert not p.fits
+    text = planning.format_plan(p, ft(tpu={"type": "v5e", "topology": "2x2"}))
+    assert "DOES NOT FIT" in text and "use training.method: lora" in text
+
+
+def test_find_config_in_the_hugging_face_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = tmp_path / "models--acme--tiny"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc" / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert find_config("acme/tiny", None) == repo / "snapshots" / "abc" / "config.json"
+    assert find_config("acme/other", None) is None
+
+
+def _run(tmp_path: Path, obj: dict[str, Any], *args: str) -> Any:
+    path = tmp_path / "ft.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return CliRunner().invoke(plan_command, ["-f", str(path), *args])
+
+
+def test_cli_reads_a_local_config(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 128,
+            }
+        )
+    )
+    obj = copy.deepcopy(FT)
+    obj["spec"]["model"] = {"name": str(model_dir), "dtype": "float32"}
+    result = _run(tmp_path, obj)
+    assert result.exit_code == 0, result.output
+    assert "fits" in result.output and f"config {model_dir}/config.json" in result.output
+    assert "mesh        fsdp=16 tensor=1 data=1" in result.output
+
+
+def test_cli_unknown_model_needs_params_billions(tmp_path: Path) -> None:
+    obj = copy.deepcopy(FT)
+    obj["spec"]["model"] = {"name": "acme/unknown-model"}
+    result = _run(tmp_path, obj)
+    assert result.exit_code != 0 and "--params-billions" in result.output
+    result = _run(tmp_path, obj, "--params-billions", "7")
+    assert result.exit_code == 0 and "7.00 B parameters" in result.output
+
+
+def test_cli_exit_code_when_it_does_not_fit(tmp_path: Path) -> None:
+    obj = copy.deepcopy(FT)
+    obj["spec"]["model"] = {"name": "meta-llama/Llama-3.1-70B"}
+    obj["spec"]["tpu"] = {"type": "v5e", "topology": "2x2"}
+    assert _run(tmp_path, obj).exit_code == 1
+
+
+def test_cli_invalid_spec_names_the_field(tmp_path: Path) -> None:
+    obj = copy.deepcopy(FT)
+    obj["spec"]["tpu"] = {"type": "v5e", "topology": "2x2x2"}
+    result = _run(tmp_path, obj)
+    assert result.exit_code == 2 and "spec.tpu.topology" in result.output
