@@ -1,0 +1,82 @@
+"""The CRD's CEL rules and the Python catalog accept exactly the same TPU shapes.
+
+Both come from topology.FAMILIES, but through different code (CEL strings vs `resolve`); this runs
+thousands of (type, topology, chipsPerHost, slices, placementPolicy) combinations through the
+apiserver's CEL (tools/crdcheck) and through `tpuft render`'s validation and requires the same verdict.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+from typing import Any
+
+from tests.unit import crdcheck
+from tpuft_operator import topology
+from tpuft_operator.api.models import TPUFineTuneSpec
+from tpuft_operator.api.validation import validate
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "tpufinetunes.tpuft.dev.yaml"
+
+BASE: dict[str, Any] = {
+    "apiVersion": "tpuft.dev/v1alpha1",
+    "kind": "TPUFineTune",
+    "metadata": {"name": "cel"},
+    "spec": {
+        "model": {"name": "google/gemma-2-2b"},
+        "dataset": {"name": "tatsu-lab/alpaca"},
+        "tpu": {"type": "v5e", "topology": "2x2"},
+        "training": {"maxSteps": 10},
+        "output": {"uri": "gs://bucket/out"},
+    },
+}
+
+# Near misses of every rule: wrong order, not a multiple of 4, too large, too long a side, 2-D vs 3-D.
+EXTRA_TOPOLOGIES = [
+    "1x1x1", "1x2", "2x1", "4x2", "2x8", "16x32", "32x32", "1x1x2", "2x1x2", "4x2x2", "8x4x4", "4x4x6",
+    "4x6x8", "8x8x32", "16x16x20", "16x16x32", "4x4x244", "4x4x248", "12x24x24", "16x20x28", "16x24x24",
+    "20x24x24", "16x16x16", "12x16x16", "3x3x3", "6x6x6",
+]  # fmt: skip
+
+
+def _topologies() -> list[str]:
+    shapes: set[str] = set(EXTRA_TOPOLOGIES)
+    for fam in topology.FAMILIES.values():
+        valid = topology.valid_shapes(fam)
+        shapes.update(valid[:25])
+        shapes.update(valid[-5:])
+    return sorted(shapes)
+
+
+def _python_accepts(tpu: dict[str, Any]) -> bool:
+    spec = TPUFineTuneSpec.model_validate({**BASE["spec"], "tpu": tpu})
+    return not [e for e in validate(spec) if e.field.startswith("spec.tpu")]
+
+
+def test_cel_and_python_agree_on_every_shape() -> None:
+    cases = []
+    for tpu_type, topo, per_host, slices, policy in itertools.product(
+        topology.FAMILIES, _topologies(), (None, 1, 4, 8), (1, 2), (None, "policy")
+    ):
+        if policy and slices == 2:
+            continue  # keeps the product small; placement and multislice are independent rules
+        tpu: dict[str, Any] = {"type": tpu_type, "topology": topo, "slices": slices}
+        if per_host is not None:
+            tpu["chipsPerHost"] = per_host
+        if policy is not None:
+            tpu["placementPolicy"] = policy
+        obj = copy.deepcopy(BASE)
+        obj["spec"]["tpu"] = tpu
+        cases.append({"name": f"{tpu_type}/{topo}/{per_host}/{slices}/{policy}", "object": obj, "tpu": tpu})
+    results = crdcheck.admit(CRD_FILE, [{"name": c["name"], "object": c["object"]} for c in cases])
+    disagreements = []
+    accepted = 0
+    for case in cases:
+        cel_ok = results[case["name"]] == []
+        python_ok = _python_accepts(case["tpu"])
+        accepted += cel_ok
+        if cel_ok != python_ok:
+            disagreements.append(f"{case['name']}: CEL {cel_ok}, Python {python_ok}: {results[case['name']]}")
+    assert not disagreements, "\n".join(disagreements[:20])
+    assert 100 < accepted < len(cases) - 100  # the grid exercises both verdicts
