@@ -15,9 +15,15 @@ from tpuft_operator import __version__
 
 # name -> ("module:attribute", one-line help shown by `tpuft --help`)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "cluster": ("tpuft_operator.cluster.cli:cluster", "Run a real local Kubernetes control plane with fake TPU nodes."),
+    "cluster": (
+        "tpuft_operator.cluster.cli:cluster",
+        "Run a real local Kubernetes control plane with fake TPU nodes.",
+    ),
     "crd": ("tpuft_operator.api.cli:crd", "Print the TPUFineTune CRD generated from the API models."),
-    "render": ("tpuft_operator.render.cli:render", "Print the objects the operator would create for a TPUFineTune."),
+    "render": (
+        "tpuft_operator.render.cli:render",
+        "Print the objects the operator would create for a TPUFineTune.",
+    ),
     "plan": ("tpuft_operator.plan_cli:plan", "Show a TPUFineTune's TPU shape, mesh and memory per chip."),
     "operator": ("tpuft_operator.main:operator", "Run the operator (reconciles TPUFineTunes into JobSets)."),
     "train": ("tpuft_trainer.cli:train", "Run the FSDPv2 training core from a rendered configuration."),

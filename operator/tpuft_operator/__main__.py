@@ -1,0 +1,3 @@
+from tpuft_operator.cli import main
+
+main()

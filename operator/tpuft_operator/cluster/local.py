@@ -1,0 +1,374 @@
+"""A real Kubernetes control plane on loopback: start, check, stop, and fake TPU node pools.
+
+`LocalCluster.up()` is idempotent: it starts whatever is not running (keeping etcd's data), so the
+same call brings up a new cluster, reuses a running one, or heals one a fault test broke.
+Every component is a detached process with its log and pid under the cluster's directory, so the
+cluster outlives the command that started it; `down()` stops them all and removes the directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import yaml
+
+from tpuft_operator import topology
+from tpuft_operator.cluster import build, components, kwok, pki, versions
+from tpuft_operator.cluster.components import Component, Layout
+
+Log = Callable[[str], None]
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("TPUFT_CACHE", Path.home() / ".cache" / "tpuft"))
+
+
+def default_name() -> str:
+    return os.environ.get("TPUFT_CLUSTER", "default")
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not do what was asked; the message names the component."""
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    name: str
+    pid: int | None
+    running: bool
+    healthy: bool
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class LocalCluster:
+    def __init__(self, name: str | None = None, cache: Path | None = None, log: Log = print) -> None:
+        self.name = name or default_name()
+        self.cache = cache or default_cache()
+        self.layout = Layout(self.cache / "clusters" / self.name)
+        self.bins = build.binaries(self.cache)
+        self.log = log
+
+    # ----------------------------------------------------------------- state
+    @property
+    def ports(self) -> dict[str, int]:
+        if not self.layout.state.exists():
+            raise ClusterError(f"cluster {self.name!r} is not up: run `tpuft cluster up`")
+        ports: dict[str, int] = json.loads(self.layout.state.read_text())["ports"]
+        return ports
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['kube-apiserver']}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.layout.admin_kubeconfig
+
+    def _ensure_state(self) -> dict[str, int]:
+        if self.layout.state.exists():
+            return self.ports
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        ports = dict(zip(components.PORT_NAMES, _free_ports(len(components.PORT_NAMES)), strict=True))
+        state = {
+            "name": self.name,
+            "kubernetes": versions.KUBERNETES,
+            "jobset": versions.JOBSET,
+            "ports": ports,
+        }
+        self.layout.state.write_text(json.dumps(state, indent=2))
+        return ports
+
+    def _components(self) -> list[Component]:
+        return components.specs(self.layout, self.bins, self.ports)
+
+    # ----------------------------------------------------------------- processes
+    def _pid(self, name: str) -> int | None:
+        path = self.layout.pids / f"{name}.pid"
+        if not path.exists():
+            return None
+        try:
+            return int(path.read_text().strip())
+        except ValueError:
+            return None
+
+    def _alive(self, component: Component) -> bool:
+        pid = self._pid(component.name)
+        if pid is None:
+            return False
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            stat = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+        # A recycled pid runs some other program; a zombie has exited.
+        return cmdline == component.argv[0] and stat != "Z"
+
+    def _ssl_context(self, url: str) -> ssl.SSLContext | None:
+        if not url.startswith("https://"):
+            return None
+        if f":{self.ports['kube-apiserver']}/" in url:
+            ctx = ssl.create_default_context(cafile=str(self.layout.pki.ca_cert))
+            ctx.load_cert_chain(str(self.layout.pki.admin_cert), str(self.layout.pki.admin_key))
+            return ctx
+        # kube-controller-manager and kube-scheduler serve /healthz with a self-signed certificate.
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    def _healthy(self, component: Component) -> bool:
+        try:
+            with urllib.request.urlopen(
+                component.health_url, timeout=3, context=self._ssl_context(component.health_url)
+            ) as response:
+                return bool(response.status == 200)
+        except (OSError, ssl.SSLError):
+            return False
+
+    def _start(self, component: Component, timeout: float) -> None:
+        self.layout.logs.mkdir(parents=True, exist_ok=True)
+        self.layout.pids.mkdir(parents=True, exist_ok=True)
+        log_path = self.layout.logs / f"{component.name}.log"
+        with log_path.open("ab") as log_file:
+            process = subprocess.Popen(
+                component.argv,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **component.env},
+                start_new_session=True,  # outlives `tpuft cluster up`; Ctrl-C there does not kill it
+            )
+        (self.layout.pids / f"{component.name}.pid").write_text(str(process.pid))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise ClusterError(
+                    f"{component.name} exited with code {process.returncode} while starting; "
+                    f"last lines of {log_path}:\n{_tail(log_path)}"
+                )
+            if self._healthy(component):
+                return
+            time.sleep(0.3)
+        raise ClusterError(
+            f"{component.name} did not become healthy within {timeout:.0f}s ({component.health_url}); "
+            f"last lines of {log_path}:\n{_tail(log_path)}"
+        )
+
+    def start_component(self, name: str, timeout: float = 120) -> None:
+        component = self._component(name)
+        if not self._alive(component):
+            self._start(component, timeout)
+
+    def stop_component(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        component = self._component(name)
+        pid = self._pid(name)
+        if pid is None or not self._alive(component):
+            return
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._alive(component):
+            time.sleep(0.1)
+        if self._alive(component):
+            os.killpg(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reap it when we are its parent (tests)
+
+    def _component(self, name: str) -> Component:
+        for component in self._components():
+            if component.name == name:
+                return component
+        raise ClusterError(f"unknown component {name!r}; components: {', '.join(components.COMPONENTS)}")
+
+    # ----------------------------------------------------------------- lifecycle
+    def up(self, timeout: float = 180) -> None:
+        """Builds what is missing, then starts every component that is not running."""
+        build.ensure_built(self.cache, self.log)
+        ports = self._ensure_state()
+        layout = self.layout
+        pki.create(layout.pki.directory)
+        layout.admin_kubeconfig.write_text(pki.admin_kubeconfig(self.server, layout.pki))
+        layout.admin_kubeconfig.chmod(0o600)
+        layout.jobset_config.write_text(yaml.safe_dump(components.jobset_configuration(layout, ports)))
+        kwok_dir = build.module_cache_dir("sigs.k8s.io/kwok", versions.KWOK)
+        layout.kwok_config.write_text(kwok.stages_config(kwok_dir))
+
+        started = []
+        for component in self._components():
+            if self._alive(component) and self._healthy(component):
+                continue
+            if self._alive(component):
+                # Running but not healthy (yet): give it the same time as a fresh start before giving up.
+                self._wait_healthy(component, timeout)
+                continue
+            self.log(f"starting {component.name}")
+            self._start(component, timeout)
+            started.append(component.name)
+            if component.name == "kube-apiserver":
+                self._install_jobset_api()
+        if "kube-apiserver" not in started:
+            self._install_jobset_api()  # idempotent; also repairs a deleted webhook configuration
+        self.log(
+            f"cluster {self.name!r} is up: Kubernetes {versions.KUBERNETES}, JobSet {versions.JOBSET}, "
+            f"kwok {versions.KWOK}; apiserver {self.server}"
+        )
+
+    def _wait_healthy(self, component: Component, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._healthy(component):
+                return
+            time.sleep(0.3)
+        log_path = self.layout.logs / f"{component.name}.log"
+        raise ClusterError(
+            f"{component.name} is running but not healthy; last lines of {log_path}:\n{_tail(log_path)}"
+        )
+
+    def down(self) -> None:
+        """Stops every component (in reverse order) and removes the cluster's state."""
+        if not self.layout.root.exists():
+            return
+        if self.layout.state.exists():
+            for component in reversed(self._components()):
+                self.stop_component(component.name)
+        shutil.rmtree(self.layout.root, ignore_errors=True)
+
+    def status(self) -> list[ComponentStatus]:
+        result = []
+        for component in self._components():
+            alive = self._alive(component)
+            result.append(
+                ComponentStatus(
+                    name=component.name,
+                    pid=self._pid(component.name) if alive else None,
+                    running=alive,
+                    healthy=alive and self._healthy(component),
+                )
+            )
+        return result
+
+    def env(self) -> str:
+        """Shell lines that point kubectl and helm at this cluster."""
+        paths = sorted({str(self.bins.kubectl.parent), str(self.bins.helm.parent)})
+        return "\n".join(
+            [
+                f"export KUBECONFIG={self.kubeconfig}",
+                f"export PATH={':'.join(paths)}:$PATH",
+                f"export TPUFT_CLUSTER={self.name}",
+            ]
+        )
+
+    # ----------------------------------------------------------------- API helpers
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, kubeconfig: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bins.kubectl), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args]
+        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=120)
+        if check and proc.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc
+
+    def apply(self, objects: Sequence[dict[str, Any]] | str, *, field_manager: str = "tpuft-cluster") -> None:
+        text = objects if isinstance(objects, str) else yaml.safe_dump_all(list(objects), sort_keys=False)
+        self.kubectl(
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            f"--field-manager={field_manager}",
+            "-f",
+            "-",
+            input=text,
+        )
+
+    def _install_jobset_api(self) -> None:
+        """JobSet's CRD and its webhooks, pointed at the controller on loopback with our CA."""
+        module = build.module_cache_dir("sigs.k8s.io/jobset", versions.JOBSET)
+        crd = module / "config" / "components" / "crd" / "bases" / "jobset.x-k8s.io_jobsets.yaml"
+        # ~800 KB: too big for client-side apply's last-applied annotation, hence server-side.
+        self.apply(crd.read_text())
+        self.apply(webhook_configurations(module, self.ports["jobset-webhook"], self.layout.pki.ca_cert))
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/jobsets.jobset.x-k8s.io")
+
+    def add_nodepool(
+        self,
+        tpu_type: str,
+        topology_name: str,
+        *,
+        slices: int = 1,
+        chips_per_host: int | None = None,
+        prefix: str | None = None,
+        wait: bool = True,
+    ) -> list[str]:
+        """Creates one kwok node pool per slice, shaped like GKE's, and waits for the nodes to be Ready."""
+        shape = topology.resolve(tpu_type, topology_name, slices=1, chips_per_host=chips_per_host)
+        shape = topology.SliceShape(shape.family, shape.topology, shape.chips_per_host, slices)
+        nodes = kwok.nodepool_nodes(shape, prefix=prefix)
+        self.apply(nodes)
+        names = [node["metadata"]["name"] for node in nodes]
+        if wait:
+            self.kubectl("wait", "--for=condition=Ready", "--timeout=60s", *[f"node/{n}" for n in names])
+        return names
+
+    def service_account_kubeconfig(self, namespace: str, name: str, *, duration: str = "24h") -> str:
+        """A kubeconfig that authenticates as a ServiceAccount (a bound token), so RBAC applies."""
+        token = self.kubectl(
+            "create", "token", name, "-n", namespace, f"--duration={duration}"
+        ).stdout.strip()
+        return pki.token_kubeconfig(self.server, self.layout.pki, token, namespace=namespace)
+
+
+def webhook_configurations(jobset_module: Path, port: int, ca_cert: Path) -> list[dict[str, Any]]:
+    """JobSet's webhook configurations from its module, with its kustomize patches applied and the
+    in-cluster Service replaced by a URL on loopback (the controller runs as a local process)."""
+    webhook_dir = jobset_module / "config" / "components" / "webhook"
+    configs = [doc for doc in yaml.safe_load_all((webhook_dir / "manifests.yaml").read_text()) if doc]
+    kustomization = yaml.safe_load((webhook_dir / "kustomization.yaml").read_text())
+    for patch in kustomization.get("patches", []):
+        target = patch["target"]
+        ops = yaml.safe_load((webhook_dir / patch["path"]).read_text())
+        for config in configs:
+            if config["kind"] == target["kind"] and config["metadata"]["name"] == target["name"]:
+                config.update(jsonpatch.apply_patch(config, ops))
+    ca_bundle = base64.b64encode(ca_cert.read_bytes()).decode()
+    for config in configs:
+        config["metadata"]["name"] = f"jobset-{config['metadata']['name']}"
+        for webhook in config["webhooks"]:
+            path = webhook["clientConfig"]["service"]["path"]
+            webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
+    return configs

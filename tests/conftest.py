@@ -1,0 +1,42 @@
+"""Fixtures shared by the whole suite.
+
+The local cluster is started once per session, only when a test asks for it, and reused if it is
+already running (`tpuft cluster up --name pytest` beforehand keeps it between runs; set
+TPUFT_KEEP_CLUSTER=1 to leave a cluster this session started running afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from tpuft_operator.cluster.local import LocalCluster
+
+TEST_CLUSTER = os.environ.get("TPUFT_TEST_CLUSTER", "pytest")
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    cluster = LocalCluster(name=TEST_CLUSTER, log=lambda line: print(f"[cluster] {line}"))
+    was_running = cluster.layout.state.exists() and all(s.healthy for s in cluster.status())
+    cluster.up()
+    yield cluster
+    if not was_running and os.environ.get("TPUFT_KEEP_CLUSTER") != "1":
+        cluster.down()
+
+
+@pytest.fixture
+def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards (without waiting: deletion is asynchronous)."""
+    base = request.node.name.lower().replace("_", "-")
+    name = f"{''.join(c for c in base if c.isalnum() or c == '-')[:40].strip('-')}-{secrets.token_hex(3)}"
+    local_cluster.kubectl("create", "namespace", name)
+    yield name
+    local_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
