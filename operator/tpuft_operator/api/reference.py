@@ -24,7 +24,7 @@ def _type_of(node: Schema) -> str:
     if kind == "object" and isinstance(node.get("additionalProperties"), dict):
         return f"map of {_type_of(node['additionalProperties'])}"
     if "enum" in node:
-        return " \\| ".join(f"`{v}`" for v in node["enum"])
+        return ", ".join(f"`{v}`" for v in node["enum"])
     if node.get("format") == "date-time":
         return "timestamp"
     return str(kind)
