@@ -197,7 +197,6 @@ def crd() -> dict[str, Any]:
                 "plural": PLURAL,
                 "singular": SINGULAR,
                 "shortNames": list(SHORT_NAMES),
-                "categories": ["tpuft"],
             },
             "scope": "Namespaced",
             "versions": [
