@@ -1,7 +1,7 @@
 """Rendering: a TPUFineTune -> every object the operator creates for it. Pure functions, no I/O.
 
 run = render_run(ft, RenderSettings())
-run.objects      # [ConfigMap, JobSet], in creation order
+run.objects      # [ServiceAccount, Role, RoleBinding, ConfigMap, JobSet], in creation order
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, parse, validate
 from tpuft_operator.render import naming
+from tpuft_operator.render.identity import identity_objects
 from tpuft_operator.render.jobset import config_map, jobset
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.render.trainer_config import trainer_config
@@ -29,6 +30,8 @@ class RenderedRun:
     config_map: dict[str, Any]
     trainer_config: TrainerConfig
     shape: SliceShape
+    # ServiceAccount (unless the user names one), Role, RoleBinding of the progress channel.
+    identity: tuple[dict[str, Any], ...] = ()
 
     @property
     def jobset_name(self) -> str:
@@ -36,8 +39,8 @@ class RenderedRun:
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        """In creation order: the ConfigMap the pods mount comes before the JobSet."""
-        return [self.config_map, self.jobset]
+        """In creation order: the pods' identity and ConfigMap exist before the JobSet makes pods."""
+        return [*self.identity, self.config_map, self.jobset]
 
 
 def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None = None) -> RenderedRun:
@@ -57,6 +60,7 @@ def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None
         config_map=config_map(ft, config.to_yaml()),
         trainer_config=config,
         shape=shape,
+        identity=tuple(identity_objects(ft)),
     )
 
 

@@ -76,12 +76,12 @@ def config_map(ft: TPUFineTune, config_yaml: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(ft, naming.config_map_name(ft.metadata.name), common_labels(ft), {}),
+        "metadata": object_metadata(ft, naming.config_map_name(ft.metadata.name), common_labels(ft), {}),
         "data": {CONFIG_KEY: config_yaml},
     }
 
 
-def _metadata(ft: TPUFineTune, name: str, labels: dict[str, str], annotations: dict[str, str]) -> Obj:
+def object_metadata(ft: TPUFineTune, name: str, labels: dict[str, str], annotations: dict[str, str]) -> Obj:
     meta: Obj = {
         "name": name,
         "namespace": ft.metadata.namespace,
@@ -205,8 +205,9 @@ def pod_template(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: Rend
             *[dict(v) for v in spec.volumes or []],
         ],
     }
-    if spec.service_account_name is not None:
-        pod_spec["serviceAccountName"] = spec.service_account_name
+    # The per-run account whose Role may patch only this run's status (progress reports), or the
+    # user's own (Workload Identity), which the per-run RoleBinding then binds instead.
+    pod_spec["serviceAccountName"] = naming.pod_service_account(ft.metadata.name, spec.service_account_name)
     if spec.priority_class_name is not None:
         pod_spec["priorityClassName"] = spec.priority_class_name
     metadata: Obj = {"labels": common_labels(ft)}
@@ -270,7 +271,7 @@ def jobset(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings) -> Obj:
     return {
         "apiVersion": JOBSET_API_VERSION,
         "kind": "JobSet",
-        "metadata": _metadata(ft, name, labels, annotations),
+        "metadata": object_metadata(ft, name, labels, annotations),
         "spec": {
             # Kueue admits a queued run by unsuspending it, so it must be created suspended.
             "suspend": spec.suspend or spec.queue_name is not None,

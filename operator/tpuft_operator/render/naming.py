@@ -54,3 +54,13 @@ def label_value(text: str) -> str:
 def coordinator_address(jobset: str) -> str:
     """DNS name of the first host of the first slice (JobSet's headless service is the subdomain)."""
     return f"{jobset}-{REPLICATED_JOB}-0-0.{jobset}"
+
+
+def progress_identity_name(finetune_name: str) -> str:
+    """ServiceAccount, Role and RoleBinding of the run's progress channel (render/identity.py)."""
+    return f"{jobset_name(finetune_name)}-progress"
+
+
+def pod_service_account(finetune_name: str, user_service_account: str | None) -> str:
+    """The account trainer pods run as: the user's (Workload Identity) or the per-run one."""
+    return user_service_account or progress_identity_name(finetune_name)
