@@ -34,7 +34,7 @@ TRAINER_GRADIENT_CHECKPOINTING = False
 # Breakage 6 (transformers 5.2 + bf16 + sdpa: dtype mismatch) is fixed in the pinned 5.24; nothing here.
 
 # The mesh that must be in force while training (set by fsdp_v2.use_mesh); None keeps the Trainer's.
-_state: dict[str, Any] = {"mesh": None}
+_state: dict[str, Any] = {"mesh": None, "disabled": set()}
 
 
 def _strip_wrapper_prefixes(key: str) -> str:
@@ -262,19 +262,27 @@ PATCHES: list[Patch] = [
 ]
 
 
-def apply(skip: tuple[str, ...] = ()) -> None:
-    """Apply every patch except those named in ``skip`` (tests use it to show a patch is needed)."""
-    unknown = set(skip) - {patch.name for patch in PATCHES}
-    if unknown:
-        raise ValueError(f"unknown compat patches {sorted(unknown)}")
+def apply() -> None:
+    """Apply every patch that is not disabled. Idempotent (fsdp_v2 calls it more than once)."""
     for patch in PATCHES:
-        if patch.name not in skip:
+        if patch.name not in _state["disabled"]:
             patch.apply()
 
 
-def remove() -> None:
+def disable(*names: str) -> None:
+    """Remove the named patches and keep them off until ``enable`` (tests show each one is needed)."""
+    unknown = set(names) - {patch.name for patch in PATCHES}
+    if unknown:
+        raise ValueError(f"unknown compat patches {sorted(unknown)}")
+    _state["disabled"] |= set(names)
     for patch in PATCHES:
-        patch.remove()
+        if patch.name in names:
+            patch.remove()
+
+
+def enable() -> None:
+    _state["disabled"] = set()
+    apply()
 
 
 def set_mesh(mesh: Any) -> None:

@@ -1,0 +1,240 @@
+"""Configurations run in their own SPMD process: ``python cases.py CASE OUT.json``.
+
+use_spmd() is process-global, so the tests start one process per configuration and read back a JSON of
+observations; one process covers every assertion about its configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny
+
+from tpuft_trainer import compat
+from tpuft_trainer.fsdp_v2 import get_fsdp_training_args, use_fsdp_v2, use_mesh
+
+STEPS = 6
+
+
+def _observer(model: Any) -> tuple[Any, dict[str, Any]]:
+    """A callback recording losses, XLA compilations per step, and forwards of one decoder MLP (run
+    twice per step when the block is checkpointed: again in the backward pass)."""
+    import torch_xla.debug.metrics as met
+    from transformers import TrainerCallback
+
+    seen: dict[str, Any] = {"losses": [], "compiles": [], "mlp_forwards": []}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    calls = [0]
+    base.model.layers[0].mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    class Observer(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            data = met.metric_data("CompileTime")
+            seen["compiles"].append(int(data[0]) if data else 0)
+            seen["mlp_forwards"].append(calls[0])
+            calls[0] = 0
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                seen["losses"].append(float(logs["loss"]))
+
+    return Observer(), seen
+
+
+def _sharding(model: Any) -> dict[str, str]:
+    import torch_xla
+
+    return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in model.named_parameters()}
+
+
+def _train(
+    family: str, *, ckpt: bool = True, steps: int = STEPS, sft: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """Exactly the optimum-tpu usage, plus an observing callback."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny.model(family)
+    args = get_fsdp_training_args(model, gradient_checkpointing=ckpt)
+    out = tempfile.mkdtemp()
+    settings = dict(
+        max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=1, report_to=[]
+    )
+    observer, seen = _observer(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if sft:
+            from trl import SFTConfig, SFTTrainer
+
+            trainer: Any = SFTTrainer(
+                model=model,
+                args=SFTConfig(output_dir=out, **settings, **args),
+                train_dataset=tiny.token_dataset(),
+                processing_class=tiny.tokenizer(),
+            )
+        else:
+            trainer = Trainer(
+                model=model,
+                args=TrainingArguments(output_dir=out, **settings, **args),
+                train_dataset=tiny.token_dataset(),
+            )
+    seen["deprecations"] = [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (DeprecationWarning, FutureWarning))
+        and "transformers" in w.filename + str(w.message)
+    ]
+    trainer.add_callback(observer)
+    trainer.train()
+    seen["sharding"] = _sharding(trainer.model)
+    seen["fsdp_args"] = args
+    return trainer, seen
+
+
+def stock_llama() -> dict[str, Any]:
+    """4 devices: checkpointing on and off, reload exactness, SFTTrainer."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    result: dict[str, Any] = {}
+    trainer, result["ckpt_on"] = _train("llama", ckpt=True)
+    save_dir = Path(tempfile.mkdtemp()) / "final"
+    trainer.save_model(str(save_dir))
+    gathered = compat.gather_state_dict(trainer.model)
+    reloaded = LlamaForCausalLM.from_pretrained(save_dir).state_dict()
+    result["reload"] = {
+        "files": sorted(p.name for p in save_dir.iterdir()),
+        "hidden_size": LlamaForCausalLM.from_pretrained(save_dir).config.hidden_size,
+        "missing": sorted(set(gathered) - set(reloaded)),
+        "unequal": sorted(k for k in gathered if k in reloaded and not torch.equal(gathered[k], reloaded[k])),
+        "count": len(reloaded),
+    }
+    _, result["ckpt_off"] = _train("llama", ckpt=False)
+    _, result["sft"] = _train("llama", sft=True, steps=3)
+    return result
+
+
+def llama_only() -> dict[str, Any]:
+    return {"ckpt_on": _train("llama")[1]}
+
+
+def families() -> dict[str, Any]:
+    return {family: _train(family, steps=4)[1] for family in ("gemma", "mistral", "qwen2")}
+
+
+def compat_needed() -> dict[str, Any]:
+    """Each workaround removed in turn: the upstream error must come back (else the workaround is obsolete)."""
+    import torch
+    import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.distributed.spmd as xs
+    import transformers.trainer
+    from transformers import Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from tpuft_trainer import mesh as mesh_module
+    from tpuft_trainer.config import MeshConfig
+
+    found: dict[str, str] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        if name in {patch.name for patch in compat.PATCHES}:
+            compat.disable(name)
+        try:
+            found[name] = f"no error: {fn()}"
+        except Exception as error:
+            found[name] = f"{type(error).__name__}: {error}"
+        finally:
+            compat.enable()
+
+    def trainer(
+        model: Any, steps: int = 1, sft: bool = False, drop: tuple[str, ...] = (), **extra: Any
+    ) -> Any:
+        args = {k: v for k, v in {**get_fsdp_training_args(model), **extra}.items() if k not in drop}
+        settings = dict(
+            output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=8, report_to=[]
+        )
+        if sft:
+            return SFTTrainer(
+                model=model,
+                args=SFTConfig(**settings, **args),
+                train_dataset=tiny.token_dataset(),
+                processing_class=tiny.tokenizer(),
+            )
+        return Trainer(
+            model=model, args=TrainingArguments(**settings, **args), train_dataset=tiny.token_dataset()
+        )
+
+    attempt("optimizer_before_scheduler", lambda: trainer(tiny.model()).train())
+
+    def save_unpatched() -> str:
+        t = trainer(tiny.model())
+        t.train()
+        out = Path(tempfile.mkdtemp())
+        t.save_model(str(out))
+        files = sorted(p.name for p in out.iterdir())
+        keys: list[str] = []
+        if "pytorch_model.bin" in files:
+            keys = list(torch.load(out / "pytorch_model.bin", weights_only=True))
+        if "model.safetensors" in files:
+            from safetensors import safe_open
+
+            with safe_open(out / "model.safetensors", "pt") as f:
+                keys = list(f.keys())
+        return f"files={files} prefixed_keys={sum('_orig_module.' in k for k in keys)}"
+
+    attempt("reloadable_checkpoint", save_unpatched)
+    attempt("shard_any_output", lambda: trainer(tiny.model(), sft=True).train())
+
+    def batch_spec() -> str:
+        shape = mesh_module.plan_mesh(MeshConfig(data=2, fsdp=2), 4)
+        use_mesh(mesh_module.build_mesh(shape))
+        loader = pl.MpDeviceLoader(torch.utils.data.DataLoader([torch.zeros(2)] * 4, batch_size=4), "xla")
+        spec = transformers.trainer.tpu_spmd_dataloader(loader)._parallel_loader_kwargs["input_sharding"]
+        use_mesh(None)
+        return f"partition_spec={spec.partition_spec}"
+
+    attempt("batch_over_data_axes", batch_spec)
+
+    def mesh_after_init() -> str:
+        shape = mesh_module.plan_mesh(MeshConfig(fsdp=2, tensor=2), 4)
+        use_mesh(mesh_module.build_mesh(shape))
+        trainer(tiny.model())
+        current = mesh_module.current_mesh_shape()
+        compat.set_mesh(None)
+        return f"mesh={current}"
+
+    attempt("mesh_wins", mesh_after_init)
+    xs.set_global_mesh(None)
+
+    # Settings carried by get_fsdp_training_args rather than patches: the Trainer's defaults still fail.
+    def default_optimizer() -> str:
+        t = trainer(tiny.model(), drop=("optim",))
+        t.train()
+        return f"trained with {t.args.optim} ({type(t.optimizer).__name__})"
+
+    attempt("default_optimizer", default_optimizer)
+    attempt(
+        "trainer_gradient_checkpointing",
+        lambda: trainer(tiny.model(), sft=True, activation_checkpointing=True).train(),
+    )
+    return found
+
+
+CASES = {f.__name__: f for f in (stock_llama, llama_only, families, compat_needed)}
+
+if __name__ == "__main__":
+    case, out_path = sys.argv[1], sys.argv[2]
+    use_fsdp_v2()
+    try:
+        result = CASES[case]()
+    except Exception:
+        traceback.print_exc()
+        raise
+    Path(out_path).write_text(json.dumps(result, indent=1, default=str))

@@ -1,0 +1,241 @@
+"""`tpuft train --config` end to end: full and LoRA, mesh in force, checkpoints, kill-and-resume,
+and bad configurations failing fast with the documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tiny
+import yaml
+from spmd import Pool, Proc, run_train
+
+from tpuft_trainer.config import TrainerConfig
+from tpuft_trainer.exit_codes import ExitCode
+
+pytestmark = pytest.mark.trainer
+
+_lock = threading.Lock()
+_materials: dict[str, Path] = {}
+
+
+def materials() -> dict[str, Path]:
+    """A tiny Llama directory and datasets, built once per session (nothing downloaded)."""
+    with _lock:
+        if not _materials:
+            root = Path(tempfile.mkdtemp(prefix="tpuft-materials-"))
+            _materials["model"] = tiny.save_model_dir(root / "llama")
+            _materials["text"] = tiny.write_jsonl(root / "text.jsonl")
+            _materials["chat"] = tiny.write_jsonl(root / "chat.jsonl", chat=True)
+        return _materials
+
+
+def write_config(overrides: dict[str, Any]) -> tuple[Path, Path]:
+    m = materials()
+    out = Path(tempfile.mkdtemp(prefix="tpuft-out-"))
+    config: dict[str, Any] = {
+        "model": {"name": str(m["model"]), "dtype": "float32"},
+        "dataset": {"name": str(m["text"])},
+        "training": {
+            "max_steps": 8,
+            "learning_rate": 0.01,
+            "per_device_batch_size": 2,
+            "max_seq_length": 32,
+            "save_steps": 4,
+        },
+        "output": {"uri": str(out / "model")},
+        "world": {"chips_per_host": 4},
+        "progress": {"namespace": "default", "name": "demo", "min_interval_seconds": 0},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values
+    TrainerConfig.model_validate(config)  # the same contract the operator renders
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, out / "model"
+
+
+def full() -> tuple[Proc, Path]:
+    config, output = write_config({})
+    return run_train(config), output
+
+
+def kill_and_resume() -> tuple[Proc, Proc, Path]:
+    config, output = write_config({})
+    killed = run_train(config, TPUFT_FAULT_KILL_AT_STEP="6", TPUFT_RESTART_ATTEMPT="0")
+    resumed = run_train(config, TPUFT_RESTART_ATTEMPT="1")
+    return killed, resumed, output
+
+
+def lora() -> tuple[Proc, Path]:
+    remote = Path(tempfile.mkdtemp(prefix="tpuft-remote-")) / "run"
+    config, _ = write_config(
+        {
+            "dataset": {"name": str(materials()["chat"]), "format": "chat"},
+            "fsdp": {"mesh": {"fsdp": 2, "tensor": 2}},
+            "training": {
+                "method": "lora",
+                "max_steps": 6,
+                "learning_rate": 0.05,
+                "save_steps": 3,
+                "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "save_merged": True},
+            },
+            "output": {"uri": f"file://{remote}"},
+        }
+    )
+    return run_train(config), remote
+
+
+BAD = {
+    "unknown_layer": (
+        {"fsdp": {"layer_cls_to_wrap": ["NopeLayer"]}},
+        ExitCode.CONFIG_ERROR,
+        "LlamaDecoderLayer",
+    ),
+    "mesh_product": ({"fsdp": {"mesh": {"fsdp": 3}}}, ExitCode.CONFIG_ERROR, "must equal the device count"),
+    "missing_field": ({"dataset": {"text_field": "body"}}, ExitCode.DATA_ERROR, "has no 'body' field"),
+    "model_path": ({"model": {"name": "/nonexistent/model"}}, ExitCode.NOT_FOUND, "/nonexistent/model"),
+    "world_env": ({"world": {"hosts_per_slice": 2, "chips_per_host": 2}}, 1, "independent copy"),
+}
+
+
+def bad(name: str) -> tuple[Proc, float]:
+    overrides, _, _ = BAD[name]
+    config, _ = write_config(overrides)
+    started = time.monotonic()
+    return run_train(config), time.monotonic() - started
+
+
+SPMD_JOBS = {
+    "train:resume": kill_and_resume,
+    "train:full": full,
+    "train:lora": lora,
+    **{f"train:bad:{name}": (lambda name=name: bad(name)) for name in BAD},
+}
+
+
+def metrics(output: Path) -> dict[str, Any]:
+    return json.loads((output / "tpuft-metrics.json").read_text())  # type: ignore[no-any-return]
+
+
+def losses(record: dict[str, Any]) -> dict[int, float]:
+    return {int(step): loss for step, loss in record["losses"].items()}
+
+
+def test_full_fine_tune(pool: Pool) -> None:
+    proc, output = pool.get("train:full")
+    assert proc.returncode == 0, proc.tail()
+    record = metrics(output)
+    got = losses(record)
+    assert sorted(got) == list(range(1, 9))
+    assert got[8] < got[1] - 1.0, got
+    assert record["mesh_during_training"] == {"dcn": 1, "data": 1, "fsdp": 4, "tensor": 1}
+    assert all("devices=[" in spec and "4" in spec for spec in record["parameter_sharding"].values())
+    assert record["checkpointed_blocks"] == 2
+    compiles = {int(k): v for k, v in record["compiles_after_step"].items()}
+    # no new graphs between saves (a save compiles its gathers once, at step 4)
+    assert compiles[3] == compiles[4] and compiles[6] == compiles[7] == compiles[8], compiles
+
+
+def test_final_model_and_checkpoints_reload_exactly(pool: Pool) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc, output = pool.get("train:full")
+    assert proc.returncode == 0, proc.tail()
+    assert {"checkpoint-4", "checkpoint-8", "config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in output.iterdir()
+    }
+    final, last = (
+        load_file(output / "model.safetensors"),
+        load_file(output / "checkpoint-8" / "model.safetensors"),
+    )
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    model = AutoModelForCausalLM.from_pretrained(output)
+    assert model.config.hidden_size == 64
+    state = model.state_dict()
+    assert all(torch.equal(state[k], final[k]) for k in final)
+    assert not torch.equal(
+        final["model.embed_tokens.weight"],
+        load_file(materials()["model"] / "model.safetensors")["model.embed_tokens.weight"],
+    )
+    AutoTokenizer.from_pretrained(output)
+
+
+def test_progress_channel_failure_never_fails_training(pool: Pool) -> None:
+    proc, _ = pool.get("train:full")
+    assert proc.returncode == 0
+    assert proc.stderr.count("progress reporting to default/demo is not working") == 1
+    assert "progress: step 8/8" in proc.stderr and "8/8 [" in proc.stderr  # log line and bar
+
+
+def test_kill_and_resume_reproduces_losses(pool: Pool) -> None:
+    killed, resumed, output = pool.get("train:resume")
+    reference_proc, reference_output = pool.get("train:full")
+    assert reference_proc.returncode == 0
+    assert killed.returncode == -9, killed.tail()
+    assert resumed.returncode == 0, resumed.tail()
+    record = metrics(output)
+    assert record["resumed_from"] == "checkpoint-4"
+    reference = losses(metrics(reference_output))
+    got = losses(record)
+    assert sorted(got) == [5, 6, 7, 8]
+    assert got == {step: reference[step] for step in (5, 6, 7, 8)}
+
+
+def test_lora_chat_on_a_two_by_two_mesh(pool: Pool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    proc, remote = pool.get("train:lora")
+    assert proc.returncode == 0, proc.tail()
+    names = {p.name for p in remote.iterdir()}
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "checkpoint-3",
+        "checkpoint-6",
+        "merged",
+    } <= names
+    assert (remote / "checkpoint-3" / ".tpuft-uploaded").exists()
+    record = metrics(remote)
+    assert record["mesh_during_training"] == {"dcn": 1, "data": 1, "fsdp": 2, "tensor": 2}
+    # sharded in two along fsdp, replicated over the two tensor positions
+    specs = record["parameter_sharding"]
+    assert all("last_tile_dim_replicate" in spec for spec in specs.values()), specs
+    got = losses(record)
+    assert got[max(got)] < got[min(got)], got
+    merged = AutoModelForCausalLM.from_pretrained(remote / "merged")
+    assert merged.config.hidden_size == 64
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_configuration_fails_fast(pool: Pool, name: str) -> None:
+    proc, seconds = pool.get(f"train:bad:{name}")
+    _, code, message = BAD[name]
+    assert proc.returncode == code, proc.tail()
+    assert message in proc.stderr
+    assert "progress: step" not in proc.stderr  # failed before training
+    assert seconds < 120
+
+
+def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
+    import subprocess
+
+    from spmd import TPUFT, spmd_env
+
+    config = tmp_path / "config.yaml"
+    config.write_text("model: {name: x}\ntraining: {max_steps: 0}\n")
+    done = subprocess.run(
+        [TPUFT, "train", "--config", str(config)], env=spmd_env(1), capture_output=True, text=True
+    )
+    assert done.returncode == ExitCode.CONFIG_ERROR, done.stderr
+    assert "max_steps" in done.stderr

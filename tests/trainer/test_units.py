@@ -1,0 +1,243 @@
+"""The pure parts of the training core: world, mesh plan, layer classes, progress, exit codes."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import pytest
+import tiny
+
+from tpuft_trainer import fsdp_v2
+from tpuft_trainer.cli import exit_code_for
+from tpuft_trainer.config import MeshConfig, ProgressConfig, TrainerConfig, WorldConfig
+from tpuft_trainer.errors import ConfigError, DataError, NotFoundError, WorldError
+from tpuft_trainer.exit_codes import ExitCode
+from tpuft_trainer.mesh import plan_mesh
+from tpuft_trainer.progress import Meter, Snapshot, StatusReporter, format_duration
+from tpuft_trainer.world import check_runtime, detect_world
+
+pytestmark = pytest.mark.trainer
+
+
+# ---- world ----------------------------------------------------------------------------------------
+def test_local_defaults() -> None:
+    world = detect_world(WorldConfig(), {})
+    assert (world.process_index, world.process_count, world.restart_attempt) == (0, 1, 0)
+
+
+def test_gke_multislice_rank() -> None:
+    env = {
+        "TPU_WORKER_ID": "1",
+        "TPU_WORKER_HOSTNAMES": "a,b",
+        "MEGASCALE_SLICE_ID": "1",
+        "MEGASCALE_NUM_SLICES": "2",
+        "TPUFT_RESTART_ATTEMPT": "3",
+    }
+    world = detect_world(WorldConfig(slices=2, hosts_per_slice=2, chips_per_host=4), env)
+    assert (world.process_index, world.process_count, world.expected_devices) == (3, 4, 16)
+    assert world.restart_attempt == 3 and not world.is_rank_zero
+
+
+def test_job_completion_index_and_slice_label_fallbacks() -> None:
+    env = {"JOB_COMPLETION_INDEX": "1", "TPU_WORKER_HOSTNAMES": "a,b", "TPUFT_SLICE_INDEX": "0"}
+    assert detect_world(WorldConfig(hosts_per_slice=2), env).process_index == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "message"),
+    [
+        (WorldConfig(hosts_per_slice=2), {}, "independent cop"),
+        (WorldConfig(hosts_per_slice=2), {"TPU_WORKER_HOSTNAMES": "a"}, "independent cop"),
+        (WorldConfig(slices=2), {}, "DCN"),
+        (WorldConfig(), {"TPU_WORKER_ID": "1"}, "outside"),
+        (WorldConfig(), {"TPU_WORKER_ID": "x"}, "not an integer"),
+    ],
+)
+def test_world_refuses_inconsistent_environment(
+    config: WorldConfig, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(WorldError, match=message):
+        detect_world(config, env)
+
+
+def test_runtime_mismatch_fatal_on_tpu_only() -> None:
+    world = detect_world(WorldConfig(chips_per_host=4), {})
+    assert check_runtime(world, process_count=1, device_count=4, on_tpu=True) == []
+    assert check_runtime(world, process_count=1, device_count=8, on_tpu=False)
+    with pytest.raises(WorldError, match="8 devices"):
+        check_runtime(world, process_count=1, device_count=8, on_tpu=True)
+
+
+# ---- mesh -----------------------------------------------------------------------------------------
+def test_mesh_defaults_fsdp_to_the_rest() -> None:
+    assert plan_mesh(MeshConfig(), 8).shape == (1, 1, 8, 1)
+    assert plan_mesh(MeshConfig(tensor=2), 8).shape == (1, 1, 4, 2)
+    shape = plan_mesh(MeshConfig(data=2, dcn_data=2), 16)
+    assert shape.shape == (2, 2, 4, 1) and shape.batch_ways == 16
+
+
+@pytest.mark.parametrize(
+    "mesh", [MeshConfig(fsdp=3), MeshConfig(tensor=3), MeshConfig(dcn_data=3), MeshConfig(fsdp=2, tensor=1)]
+)
+def test_mesh_must_cover_the_devices(mesh: MeshConfig) -> None:
+    with pytest.raises(ConfigError):
+        plan_mesh(mesh, 4)
+
+
+# ---- layer classes --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("family", "layer"),
+    [
+        ("llama", "LlamaDecoderLayer"),
+        ("gemma", "GemmaDecoderLayer"),
+        ("mistral", "MistralDecoderLayer"),
+        ("qwen2", "Qwen2DecoderLayer"),
+    ],
+)
+def test_layer_class_by_model_type(family: str, layer: str) -> None:
+    assert fsdp_v2.resolve_layer_classes(tiny.model(family)) == [layer]
+
+
+def test_every_known_layer_class_exists_in_transformers() -> None:
+    for model_type, names in fsdp_v2.LAYER_CLASSES.items():
+        module = importlib.import_module(
+            f"transformers.models.{model_type.removesuffix('_text')}.modeling_{model_type.removesuffix('_text')}"
+        )
+        for name in names:
+            assert hasattr(module, name), (model_type, name)
+
+
+def test_peft_model_is_unwrapped() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny.model("llama"), LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    )
+    args = fsdp_v2.get_fsdp_training_args(model, gradient_checkpointing=False)
+    assert args["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert args["fsdp_config"]["xla_fsdp_grad_ckpt"] is False
+
+
+def test_override_and_unknown_class_lists_what_exists() -> None:
+    model = tiny.model("llama")
+    assert fsdp_v2.resolve_layer_classes(model, "LlamaMLP") == ["LlamaMLP"]
+    with pytest.raises(ConfigError, match=r"NopeLayer.*\['LlamaDecoderLayer'\]"):
+        fsdp_v2.get_fsdp_training_args(model, ["NopeLayer"])
+
+
+def test_fallback_to_no_split_modules() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    assert fsdp_v2.resolve_layer_classes(model) == ["GPT2Block"]
+
+
+def test_optimizer_must_run_on_xla() -> None:
+    with pytest.raises(ConfigError, match="adamw_torch_fused"):
+        fsdp_v2.get_fsdp_training_args(tiny.model("llama"), optim="adamw_torch_fused")
+
+
+# ---- progress -------------------------------------------------------------------------------------
+class FakeApi:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.fail = fail
+
+    def patch_namespaced_custom_object_status(self, **kwargs: Any) -> None:
+        if self.fail:
+            raise RuntimeError("403 Forbidden")
+        self.calls.append(kwargs)
+
+
+def reporter(api: FakeApi, interval: float, clock: list[float]) -> StatusReporter:
+    r = StatusReporter(
+        ProgressConfig(namespace="ns", name="run", min_interval_seconds=interval), clock=lambda: clock[0]
+    )
+    r._api = api
+    return r
+
+
+def test_status_patch_body_and_throttle() -> None:
+    api, clock = FakeApi(), [0.0]
+    r = reporter(api, 10, clock)
+    snap = Snapshot(step=5, total_steps=20, loss=1.25, tokens_per_second=100.0, eta_seconds=30.4)
+    r.report(snap)
+    clock[0] = 5
+    r.report(snap)  # throttled
+    r.report(snap, final=True)  # the last one always goes out
+    assert len(api.calls) == 2
+    call = api.calls[0]
+    assert (call["group"], call["version"], call["plural"], call["namespace"], call["name"]) == (
+        "tpuft.dev",
+        "v1alpha1",
+        "tpufinetunes",
+        "ns",
+        "run",
+    )
+    assert call["_content_type"] == "application/merge-patch+json"
+    progress = call["body"]["status"]["progress"]
+    assert {
+        k: progress[k] for k in ("step", "totalSteps", "loss", "etaSeconds", "tokensPerSecond", "summary")
+    } == {
+        "step": 5,
+        "totalSteps": 20,
+        "loss": 1.25,
+        "etaSeconds": 30,
+        "tokensPerSecond": 100.0,
+        "summary": "5/20 (25%)",
+    }
+
+
+def test_broken_channel_warns_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    api, clock = FakeApi(fail=True), [0.0]
+    r = reporter(api, 0, clock)
+    with caplog.at_level(logging.WARNING):
+        for step in range(5):
+            r.report(Snapshot(step, 5, 1.0, None, None))
+    assert sum("not working" in m for m in caplog.messages) == 1 and r.sent == 0
+
+
+def test_absent_channel_is_silent() -> None:
+    r = StatusReporter(ProgressConfig())
+    r.report(Snapshot(1, 2, None, None, None))
+    assert not r.enabled and r._api is None
+
+
+def test_meter_excludes_compilation_from_rates() -> None:
+    clock = [0.0]
+    meter = Meter(total_steps=10, tokens_per_step=100, clock=lambda: clock[0])
+    assert meter.update(1, 5.0).eta_seconds is None  # first step: compilation
+    clock[0] = 60.0
+    meter.update(2, 4.0)
+    clock[0] = 62.0
+    snap = meter.update(4, 3.0)
+    assert snap.tokens_per_second == pytest.approx(100 * 3 / 62)
+    clock[0] = 2.0
+    assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
+
+
+# ---- exit codes and config ------------------------------------------------------------------------
+def test_exit_codes() -> None:
+    assert exit_code_for(ConfigError("x")) == ExitCode.CONFIG_ERROR
+    assert exit_code_for(DataError("x")) == ExitCode.DATA_ERROR
+    assert exit_code_for(NotFoundError("x")) == ExitCode.NOT_FOUND
+    assert (
+        exit_code_for(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating")) == ExitCode.OUT_OF_MEMORY
+    )
+    assert exit_code_for(WorldError("x")) == 1
+    assert exit_code_for(RuntimeError("connection reset")) == 1
+
+
+def test_config_round_trip_with_added_fields() -> None:
+    text = """
+model: {name: m}
+dataset: {name: d.jsonl}
+training: {max_steps: 3, method: lora, keep_checkpoints: 2, lora: {save_merged: true}}
+output: {uri: gs://b/run}
+"""
+    config = TrainerConfig.from_yaml(text)
+    assert TrainerConfig.from_yaml(config.to_yaml()) == config
+    assert config.training.lora is not None and config.training.lora.save_merged
+    assert config.progress.plural == "tpufinetunes"
