@@ -13,7 +13,7 @@ import pytest
 # The helpers next to this file (spmd.py, tiny.py) are imported by name from the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from spmd import Pool  # noqa: E402
+from spmd import Pool
 
 _SESSION_JOBS: dict[str, Callable[[], Any]] = {}
 
