@@ -227,11 +227,32 @@ def compat_needed() -> dict[str, Any]:
     return found
 
 
-CASES = {f.__name__: f for f in (stock_llama, llama_only, families, compat_needed)}
+def late_spmd() -> dict[str, Any]:
+    """use_fsdp_v2() after an XLA tensor exists is refused (torch_xla would silently replicate it)."""
+    import torch
+    import torch_xla  # noqa: F401  (registers the XLA device)
+
+    torch.zeros(2, device="xla")
+    try:
+        use_fsdp_v2()
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+def twice() -> dict[str, Any]:
+    import torch_xla.runtime as xr
+
+    use_fsdp_v2()  # a second call is harmless
+    return {"spmd": xr.is_spmd(), "patches": compat.applied()}
+
+
+CASES = {f.__name__: f for f in (stock_llama, llama_only, families, compat_needed, late_spmd, twice)}
 
 if __name__ == "__main__":
     case, out_path = sys.argv[1], sys.argv[2]
-    use_fsdp_v2()
+    if case != "late_spmd":
+        use_fsdp_v2()
     try:
         result = CASES[case]()
     except Exception:

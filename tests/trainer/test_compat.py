@@ -13,7 +13,11 @@ from tpuft_trainer import compat
 
 pytestmark = pytest.mark.trainer
 
-SPMD_JOBS = {"compat@4": functools.partial(run_case, "compat_needed", 4)}
+SPMD_JOBS = {
+    "compat@4": functools.partial(run_case, "compat_needed", 4),
+    "late_spmd@2": functools.partial(run_case, "late_spmd", 2),
+    "twice@2": functools.partial(run_case, "twice", 2),
+}
 
 EXPECTED = {
     "optimizer_before_scheduler": "AttributeError: 'NoneType' object has no attribute 'param_groups'",
@@ -36,3 +40,14 @@ def test_upstream_breakage_still_present(pool: Pool, name: str) -> None:
     assert found[name].startswith(EXPECTED[name]), f"{name}: {found[name]}"
     if name == "reloadable_checkpoint":
         assert int(found[name].rsplit("=", 1)[1]) > 0
+
+
+def test_use_fsdp_v2_is_idempotent_and_applies_every_patch(pool: Pool) -> None:
+    found = pool.get("twice@2").result
+    assert found["spmd"] is True
+    assert found["patches"] == [patch.name for patch in compat.PATCHES]
+
+
+def test_use_fsdp_v2_after_xla_tensors_is_refused(pool: Pool) -> None:
+    error = pool.get("late_spmd@2").result["error"]
+    assert error is not None and error.startswith("TrainerError: use_fsdp_v2() must be called before"), error

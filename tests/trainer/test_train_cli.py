@@ -79,7 +79,9 @@ def lora() -> tuple[Proc, Path]:
     remote = Path(tempfile.mkdtemp(prefix="tpuft-remote-")) / "run"
     config, _ = write_config(
         {
-            "dataset": {"name": str(materials()["chat"]), "format": "chat"},
+            # URIs go through fsspec, the gs:// code path (gcsfs is one more fsspec backend)
+            "model": {"name": f"file://{materials()['model']}"},
+            "dataset": {"name": f"file://{materials()['chat']}", "format": "chat"},
             "fsdp": {"mesh": {"fsdp": 2, "tensor": 2}},
             "training": {
                 "method": "lora",

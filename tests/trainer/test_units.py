@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -241,3 +242,44 @@ output: {uri: gs://b/run}
     assert TrainerConfig.from_yaml(config.to_yaml()) == config
     assert config.training.lora is not None and config.training.lora.save_merged
     assert config.progress.plural == "tpufinetunes"
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def test_token_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tpuft_trainer import data
+    from tpuft_trainer.config import ModelSource
+
+    monkeypatch.setenv("TPUFT_TEST_TOKEN", "hf_secret")
+    assert data.token(ModelSource(name="org/model", token_env="TPUFT_TEST_TOKEN")) == "hf_secret"
+    assert data.token(ModelSource(name="org/model")) is None
+
+
+def test_local_sources_missing_or_malformed(tmp_path: Path) -> None:
+    from tpuft_trainer import data
+    from tpuft_trainer.config import DatasetSource, ModelSource
+
+    with pytest.raises(NotFoundError):
+        data.model_location(ModelSource(name=str(tmp_path / "absent")))
+    with pytest.raises(NotFoundError):
+        data.load_rows(DatasetSource(name=str(tmp_path / "absent.jsonl")))
+    rows = data.load_rows(DatasetSource(name=str(tiny.write_jsonl(tmp_path / "d.jsonl", n=8))))
+    with pytest.raises(DataError, match="has no 'body' field"):
+        data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d", text_field="body"), 16, 4)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d"), 16, 9)
+    encoded = data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d"), 16, 8)
+    assert {len(ids) for ids in encoded["input_ids"]} == {16}
+    first = encoded[0]
+    assert [lab for lab, m in zip(first["labels"], first["attention_mask"], strict=True) if not m] == [
+        -100
+    ] * (16 - sum(first["attention_mask"]))
+
+
+def test_chat_rows_use_the_chat_template(tmp_path: Path) -> None:
+    from tpuft_trainer import data
+    from tpuft_trainer.config import DatasetSource
+
+    source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "c.jsonl", n=4, chat=True)), format="chat")
+    encoded = data.tokenize(data.load_rows(source), tiny.tokenizer(), source, 64, 4)
+    text = "".join(tiny.tokenizer().convert_ids_to_tokens(encoded[0]["input_ids"]))
+    assert text.startswith("<s>user: ")
