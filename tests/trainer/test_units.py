@@ -283,3 +283,28 @@ def test_chat_rows_use_the_chat_template(tmp_path: Path) -> None:
     encoded = data.tokenize(data.load_rows(source), tiny.tokenizer(), source, 64, 4)
     text = "".join(tiny.tokenizer().convert_ids_to_tokens(encoded[0]["input_ids"]))
     assert text.startswith("<s>user: ")
+
+
+# ---- output storage -------------------------------------------------------------------------------
+def test_uri_output_round_trip_resumes_only_complete_checkpoints(tmp_path: Path) -> None:
+    from tpuft_trainer import storage
+
+    local = tmp_path / "local"
+    for step in (2, 4):
+        (local / f"checkpoint-{step}").mkdir(parents=True)
+        (local / f"checkpoint-{step}" / "trainer_state.json").write_text(str(step))
+    (local / "model.safetensors").write_text("final")
+    uri = f"file://{tmp_path / 'remote'}"
+    storage.upload(local / "checkpoint-2", uri, "checkpoint-2")
+    storage.upload(local / "checkpoint-4", uri, "checkpoint-4")
+    storage.upload(local, uri)
+    remote = tmp_path / "remote"
+    assert (remote / "model.safetensors").read_text() == "final"
+    assert (remote / "checkpoint-4" / "trainer_state.json").read_text() == "4"
+    (remote / "checkpoint-6").mkdir()  # an interrupted upload: no marker
+    (remote / "checkpoint-6" / "trainer_state.json").write_text("6")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    got = storage.fetch_latest_checkpoint(uri, fresh)
+    assert got == fresh / "checkpoint-4" and (got / "trainer_state.json").read_text() == "4"
+    assert storage.latest_local_checkpoint(local) == local / "checkpoint-4"

@@ -61,7 +61,8 @@ def fetch_latest_checkpoint(uri: str, local: Path) -> Path | None:
 
 
 def upload(local: Path, uri: str, name: str = "") -> None:
-    """Copy ``local`` to ``uri/name`` and mark it complete (no-op for a local output)."""
+    """Copy ``local`` to ``uri/name`` and mark it complete (no-op for a local output). Checkpoint
+    directories inside ``local`` are skipped: each was uploaded when it was saved."""
     if not is_uri(uri):
         return
     import fsspec
@@ -69,6 +70,13 @@ def upload(local: Path, uri: str, name: str = "") -> None:
     fs, root = fsspec.core.url_to_fs(uri)
     remote = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
     fs.makedirs(remote, exist_ok=True)
-    fs.put(str(local) + "/", remote + "/", recursive=True)
+    for entry in sorted(local.iterdir()):
+        if entry.is_dir() and CHECKPOINT.match(entry.name):
+            continue
+        target = f"{remote}/{entry.name}"
+        if entry.is_dir():
+            fs.put(str(entry) + "/", target + "/", recursive=True)
+        else:
+            fs.put_file(str(entry), target)
     with fs.open(f"{remote}/{UPLOADED}", "w") as marker:
         marker.write("ok\n")
