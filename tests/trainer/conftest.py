@@ -18,6 +18,7 @@ from spmd import Pool
 _SESSION_JOBS: dict[str, Callable[[], Any]] = {}
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: start only what the selected modules need
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         _SESSION_JOBS.update(getattr(getattr(item, "module", None), "SPMD_JOBS", {}))

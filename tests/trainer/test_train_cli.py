@@ -210,9 +210,16 @@ def test_lora_chat_on_a_two_by_two_mesh(pool: Pool) -> None:
     assert (remote / "checkpoint-3" / ".tpuft-uploaded").exists()
     record = metrics(remote)
     assert record["mesh_during_training"] == {"dcn": 1, "data": 1, "fsdp": 2, "tensor": 2}
-    # sharded in two along fsdp, replicated over the two tensor positions
+    # projections split 2 x 2 (tensor x fsdp); everything else in two along fsdp, replicated over tensor
     specs = record["parameter_sharding"]
-    assert all("last_tile_dim_replicate" in spec for spec in specs.values()), specs
+    assert record["tensor_parallel_weights"] == 2 * 7  # q k v o gate up down, two layers
+    for name, spec in specs.items():
+        if name.endswith("q_proj.base_layer.weight"):
+            assert spec == "{devices=[2,2]0,2,1,3}", (name, spec)
+        elif name.endswith("down_proj.base_layer.weight"):
+            assert spec == "{devices=[2,2]0,1,2,3}", (name, spec)
+        elif "_proj.base_layer" not in name:
+            assert "last_tile_dim_replicate" in spec, (name, spec)
     got = losses(record)
     assert got[max(got)] < got[min(got)], got
     merged = AutoModelForCausalLM.from_pretrained(remote / "merged")

@@ -106,3 +106,38 @@ def current_mesh_shape() -> dict[str, int]:
     if mesh is None:
         return {}
     return dict(zip(mesh.axis_names or (), mesh.mesh_shape, strict=True))
+
+
+# Megatron-style tensor parallelism as SPMD annotations: the projections that fan out (column-parallel)
+# split their output features over `tensor`, the ones that fan back in (row-parallel) their input
+# features; the other dimension stays sharded over `fsdp`. XLA's partitioner inserts the collectives.
+COLUMN_PARALLEL = frozenset(
+    {"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"}
+)
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+
+
+def shard_tensor_parallel(model: Any, mesh: Any) -> int:
+    """Re-annotate the decoder projections of an FSDPv2-wrapped ``model`` for the ``tensor`` axis.
+    Returns how many weights were annotated (0 when the axis has size 1). Run after wrapping and before
+    the first step (train.py does it when training begins), so optimizer state follows the new layout."""
+    import torch_xla.distributed.spmd as xs
+
+    sizes = dict(zip(mesh.axis_names or (), mesh.mesh_shape, strict=True))
+    if sizes.get("tensor", 1) == 1:
+        return 0
+    annotated = 0
+    for name, param in model.named_parameters():
+        parts = [part for part in name.split(".") if part not in {"_orig_module", "base_layer"}]
+        if param.dim() != 2 or len(parts) < 2 or parts[-1] != "weight":
+            continue
+        if parts[-2] in COLUMN_PARALLEL:
+            spec: tuple[str, str] = ("tensor", "fsdp")
+        elif parts[-2] in ROW_PARALLEL:
+            spec = ("fsdp", "tensor")
+        else:
+            continue
+        xs.clear_sharding(param)
+        xs.mark_sharding(param, mesh, spec)
+        annotated += 1
+    return annotated

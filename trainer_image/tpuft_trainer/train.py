@@ -44,6 +44,7 @@ class RunRecord:
     compiles_after_step: dict[int, int] = field(default_factory=dict)
     parameter_sharding: dict[str, str] = field(default_factory=dict)
     checkpointed_blocks: int = 0
+    tensor_parallel_weights: int = 0
     final_step: int = 0
     seconds: float = 0.0
 
@@ -207,8 +208,13 @@ def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], 
 
     class Observer(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            import torch_xla.distributed.spmd as xs
+
             record.mesh_during_training = mesh_module.current_mesh_shape()
             if model is not None:
+                record.tensor_parallel_weights = mesh_module.shard_tensor_parallel(
+                    model, xs.get_global_mesh()
+                )
                 record.parameter_sharding = {
                     name: torch_xla._XLAC._get_xla_sharding_spec(param)
                     for name, param in model.named_parameters()
