@@ -225,9 +225,21 @@ class LocalCluster:
         pki.create(layout.pki.directory)
         layout.admin_kubeconfig.write_text(pki.admin_kubeconfig(self.server, layout.pki))
         layout.admin_kubeconfig.chmod(0o600)
-        layout.jobset_config.write_text(yaml.safe_dump(components.jobset_configuration(layout, ports)))
         kwok_dir = build.module_cache_dir("sigs.k8s.io/kwok", versions.KWOK)
-        layout.kwok_config.write_text(kwok.stages_config(kwok_dir))
+        changed = [
+            name
+            for name, path, text in (
+                (
+                    "jobset-controller",
+                    layout.jobset_config,
+                    yaml.safe_dump(components.jobset_configuration(layout, ports)),
+                ),
+                ("kwok", layout.kwok_config, kwok.stages_config(kwok_dir)),
+            )
+            if _write_if_changed(path, text)
+        ]
+        for name in changed:
+            self.stop_component(name)  # restarted below with the new configuration
 
         started = []
         for component in self._components():
@@ -351,6 +363,13 @@ class LocalCluster:
             "create", "token", name, "-n", namespace, f"--duration={duration}"
         ).stdout.strip()
         return pki.token_kubeconfig(self.server, self.layout.pki, token, namespace=namespace)
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text() == text:
+        return False
+    path.write_text(text)
+    return True
 
 
 def webhook_configurations(jobset_module: Path, port: int, ca_cert: Path) -> list[dict[str, Any]]:

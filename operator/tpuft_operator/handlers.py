@@ -1,0 +1,155 @@
+"""kopf registrations, and nothing else: every handler is a few lines calling the Reconciler.
+
+Three watches feed one level-triggered reconcile: the TPUFineTunes, the JobSets and the pods that
+carry the run's label. In-memory indexes (kopf.index) hold the latest JobSet and pods of each run,
+so a reconcile reads no lists from the API. No handler stores progress on the object and no
+finalizer is added: deleting a TPUFineTune is never blocked, even with the operator down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from tpuft_operator import metrics
+from tpuft_operator.k8s import ApiError
+from tpuft_operator.reconcile import Reconciler
+from tpuft_operator.render.jobset import FINETUNE_LABEL
+from tpuft_operator.render.naming import label_value
+from tpuft_operator.settings import OperatorSettings
+from tpuft_operator.status import TERMINAL_PHASES
+
+FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
+JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+PODS = ("", "v1", "pods")
+OWNED = {FINETUNE_LABEL: kopf.PRESENT}
+
+Key = tuple[str, str]
+
+
+def _event_sink(body: kopf.Body) -> Any:
+    def post(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+    return post
+
+
+def _latest(index: kopf.Index[Key, kopf.Body], key: Key) -> kopf.Body | None:
+    store = index.get(key)
+    return next(iter(store), None) if store else None
+
+
+def _run(
+    memo: kopf.Memo,
+    finetune: kopf.Body,
+    jobset: kopf.Body | None,
+    pod_index: kopf.Index[Key, kopf.Body],
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+) -> None:
+    key = (finetune["metadata"]["namespace"], label_value(finetune["metadata"]["name"]))
+    reconciler: Reconciler = memo.reconciler
+    try:
+        reconciler.reconcile(
+            finetune, jobset, list(pod_index.get(key, [])), event=_event_sink(finetune), logger=logger
+        )
+    except ApiError as error:
+        # Event handlers are not retried by kopf; the resync loop retries within resync_seconds.
+        metrics.API_ERRORS.labels(status=str(error.status)).inc()
+        if error.retryable:
+            logger.warning("%s; retrying at the next resync", error)
+        else:
+            logger.error("%s; a retry cannot fix this (check the operator's RBAC and the spec)", error)
+
+
+async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
+    """A safety net instead of kopf timers (which would add a finalizer to every run): every
+    ``interval`` seconds, re-reconcile each unfinished run from the in-memory indexes, so a missed
+    event or a failed API call heals without anyone touching the object."""
+    resync_log = logging.getLogger("tpuft.resync")
+    while True:
+        await asyncio.sleep(interval)
+        indexes = getattr(memo, "indexes", None)
+        if indexes is None:
+            continue
+        finetune_index, jobset_index, pod_index = indexes
+        for key in list(finetune_index):
+            finetune = _latest(finetune_index, key)
+            if finetune is None or (finetune.get("status") or {}).get("phase") in TERMINAL_PHASES:
+                continue
+            try:
+                await asyncio.to_thread(
+                    _run, memo, finetune, _latest(jobset_index, key), pod_index, resync_log
+                )
+            except Exception as error:  # the next pass retries; the loop must never die
+                resync_log.warning("resync of %s/%s failed: %s", key[0], key[1], error)
+
+
+def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+    """All handlers, registered on a fresh registry (so settings apply and tests can build their own)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # In a pod: the ServiceAccount token; elsewhere: $KUBECONFIG (set from --kubeconfig).
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.index(*FINETUNES, id="finetunes", registry=registry)
+    def finetunes(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, kopf.Body]:
+        # Keyed by the label value the children carry (a hash for names longer than 63 characters).
+        return {(str(namespace), label_value(name)): body}
+
+    @kopf.index(*JOBSETS, labels=OWNED, id="jobsets", registry=registry)
+    def jobsets(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[Key, kopf.Body]:
+        return {(str(namespace), labels[FINETUNE_LABEL]): body}
+
+    @kopf.index(*PODS, labels=OWNED, id="pods", registry=registry)
+    def pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, kopf.Body]:
+        return {(str(namespace), labels[FINETUNE_LABEL]): body}
+
+    # The indexes arrive as keyword arguments named after the index functions above.
+    @kopf.on.event(*FINETUNES, registry=registry)
+    def finetune_event(type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kw: Any) -> None:
+        memo.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        if type == "DELETED":
+            memo.reconciler.forget((namespace, name))
+            return
+        _run(memo, body, _latest(kw["jobsets"], (namespace, label_value(name))), kw["pods"], logger)
+
+    @kopf.on.event(*JOBSETS, labels=OWNED, registry=registry)
+    def jobset_event(
+        type: str,
+        namespace: str | None,
+        labels: kopf.Labels,
+        body: kopf.Body,
+        memo: kopf.Memo,
+        logger: kopf.Logger,
+        **kw: Any,
+    ) -> None:
+        owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
+        if owner is not None:
+            _run(memo, owner, None if type == "DELETED" else body, kw["pods"], logger)
+
+    @kopf.on.event(*PODS, labels=OWNED, registry=registry)
+    def pod_event(
+        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, logger: kopf.Logger, **kw: Any
+    ) -> None:
+        key = (str(namespace), labels[FINETUNE_LABEL])
+        owner = _latest(kw["finetunes"], key)
+        if owner is not None:
+            _run(memo, owner, _latest(kw["jobsets"], key), kw["pods"], logger)
+
+    @kopf.on.startup(registry=registry)
+    async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+        memo.resync_task = asyncio.create_task(_resync_forever(memo, settings.resync_seconds))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+        memo.resync_task.cancel()
+
+    return registry

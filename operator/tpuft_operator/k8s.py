@@ -1,0 +1,141 @@
+"""The one place the operator talks to the Kubernetes API.
+
+Thin and idempotent: create-or-adopt by deterministic name, merge patches of only the fields the
+operator owns, and one error type that says whether a retry can help. Handlers call these; nothing
+else imports the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger("tpuft.k8s")
+
+Obj = Mapping[str, Any]
+
+
+class ApiError(RuntimeError):
+    """An API call failed. ``retryable`` is False for errors a retry cannot fix (403, 422)."""
+
+    def __init__(self, message: str, *, status: int, retryable: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+
+
+def _wrap(error: ApiException, what: str) -> ApiError:
+    status = int(error.status or 0)
+    reason = error.reason or ""
+    with contextlib.suppress(ValueError, AttributeError):
+        reason = json.loads(error.body or "{}").get("message") or reason
+    retryable = status not in (400, 403, 404, 422) or status == 0
+    return ApiError(f"{what}: HTTP {status}: {reason}", status=status, retryable=retryable)
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str
+    version: str
+    plural: str
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        base = f"/api/{self.version}" if self.group == "" else f"/apis/{self.group}/{self.version}"
+        path = f"{base}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+        if subresource is not None:
+            path += f"/{subresource}"
+        return path
+
+
+JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
+FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes")
+# Every kind the operator creates, and nothing else.
+KINDS = {
+    "JobSet": JOBSET,
+    "ConfigMap": Resource("", "v1", "configmaps"),
+    "ServiceAccount": Resource("", "v1", "serviceaccounts"),
+    "Role": Resource("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": Resource("rbac.authorization.k8s.io", "v1", "rolebindings"),
+}
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def load_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In a pod: its ServiceAccount; elsewhere: the kubeconfig (or $KUBECONFIG)."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig)
+    return client.ApiClient()
+
+
+class Api:
+    """Create, read and merge-patch namespaced objects by kind, over the client's REST layer."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.client = api_client
+
+    def _call(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        method, url, headers, payload, _ = self.client.param_serialize(
+            method=method,
+            resource_path=path,
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.client.call_api(method, url, header_params=headers, body=payload, _request_timeout=60)
+        response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException(http_resp=response)
+        result: dict[str, Any] = json.loads(response.data or b"{}")
+        return result
+
+    def create_or_adopt(self, obj: Obj) -> tuple[dict[str, Any], bool]:
+        """Creates ``obj``; when it already exists, returns the live one (created=False).
+
+        Deterministic names make this idempotent: a retry, a second event or a restarted operator
+        finds the object its earlier attempt made instead of creating a twin.
+        """
+        kind = obj["kind"]
+        namespace = obj["metadata"]["namespace"]
+        name = obj["metadata"]["name"]
+        resource = KINDS[kind]
+        try:
+            return self._call("POST", resource.path(namespace), dict(obj)), True
+        except ApiException as error:
+            if error.status != 409:
+                raise _wrap(error, f"creating {kind} {namespace}/{name}") from error
+        try:
+            return self._call("GET", resource.path(namespace, name)), False
+        except ApiException as error:
+            raise _wrap(error, f"reading existing {kind} {namespace}/{name}") from error
+
+    def patch_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        """Suspend or resume with a merge patch of one field: replicatedJobs is immutable, so a
+        full re-apply of the JobSet would be rejected."""
+        try:
+            self._call("PATCH", JOBSET.path(namespace, name), {"spec": {"suspend": suspend}}, MERGE_PATCH)
+        except ApiException as error:
+            raise _wrap(
+                error, f"{'suspending' if suspend else 'resuming'} JobSet {namespace}/{name}"
+            ) from error
+
+    def patch_finetune_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge-patches the operator's fields of the status; returns the updated object."""
+        try:
+            return self._call(
+                "PATCH", FINETUNE.path(namespace, name, "status"), {"status": dict(status)}, MERGE_PATCH
+            )
+        except ApiException as error:
+            raise _wrap(error, f"updating the status of TPUFineTune {namespace}/{name}") from error

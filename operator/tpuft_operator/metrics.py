@@ -1,0 +1,42 @@
+"""Prometheus metrics of the operator (served on /metrics by prometheus-client)."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RECONCILES = Counter("tpuft_reconciles_total", "Reconcile passes, by result.", ["result"])
+API_ERRORS = Counter("tpuft_api_errors_total", "Failed Kubernetes API calls, by HTTP status.", ["status"])
+RECONCILE_SECONDS = Histogram(
+    "tpuft_reconcile_duration_seconds",
+    "Time of one reconcile pass (render, API calls, status patch).",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
+
+_PHASES = ("Pending", "Queued", "Suspended", "Running", "Succeeded", "Failed")
+_phase_of: dict[tuple[str, str], str] = {}
+_guard = threading.Lock()
+for _phase in _PHASES:
+    RUNS.labels(phase=_phase).set(0)
+
+
+def _publish() -> None:
+    counts = dict.fromkeys(_PHASES, 0)
+    for phase in _phase_of.values():
+        counts[phase] = counts.get(phase, 0) + 1
+    for phase, count in counts.items():
+        RUNS.labels(phase=phase).set(count)
+
+
+def observe_phase(key: tuple[str, str], phase: str) -> None:
+    with _guard:
+        _phase_of[key] = phase
+        _publish()
+
+
+def forget_run(key: tuple[str, str]) -> None:
+    with _guard:
+        _phase_of.pop(key, None)
+        _publish()

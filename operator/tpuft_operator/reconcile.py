@@ -1,0 +1,220 @@
+"""The reconcile step: from one TPUFineTune and what exists for it, to API calls. Level-triggered.
+
+Every event (of the TPUFineTune, its JobSet, or one of its pods) and a periodic resync lead here with
+the latest observed objects, taken from the operator's in-memory indexes (no list calls per event).
+What to do is decided by the pure `decide`; `Reconciler.reconcile` only carries it out. Running it
+twice does no harm: objects are created by deterministic name (adopted if they exist) and the
+status is patched only when it differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpuft_operator import metrics
+from tpuft_operator.api.validation import SpecError
+from tpuft_operator.k8s import Api
+from tpuft_operator.render import RenderedRun, RenderSettings, render_run
+from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, status_patch
+
+Obj = Mapping[str, Any]
+# (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
+EventSink = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the reconciler should do for one run, decided from observations alone."""
+
+    create: bool = False  # create (or adopt) the identity, ConfigMap and JobSet
+    recreated: bool = False  # the JobSet existed before and someone deleted it
+    set_suspend: bool | None = None  # merge-patch JobSet spec.suspend to this value
+
+
+def decide(finetune: Obj, rendered: RenderedRun | None, jobset: Obj | None) -> Decision:
+    if rendered is None:
+        return Decision()  # invalid spec: nothing to create; status says why
+    status = finetune.get("status") or {}
+    if status.get("phase") in TERMINAL_PHASES:
+        return Decision()  # finished runs are never restarted or recreated
+    if jobset is None:
+        return Decision(create=True, recreated=bool(status.get("jobSetName")))
+    spec = finetune.get("spec") or {}
+    want_suspended = bool(spec.get("suspend"))
+    is_suspended = bool((jobset.get("spec") or {}).get("suspend"))
+    if want_suspended and not is_suspended:
+        return Decision(set_suspend=True)
+    if not want_suspended and is_suspended and not spec.get("queueName"):
+        # With a queue, Kueue decides when to unsuspend; we never race it.
+        return Decision(set_suspend=False)
+    return Decision()
+
+
+_EVENT_FOR_PHASE = {
+    "Pending": ("Normal", "Pending"),
+    "Queued": ("Normal", "Queued"),
+    "Suspended": ("Normal", "Suspended"),
+    "Running": ("Normal", "Running"),
+    "Succeeded": ("Normal", "Succeeded"),
+    "Failed": ("Warning", "Failed"),
+}
+
+
+@dataclass
+class Reconciler:
+    api: Api
+    render_settings: RenderSettings
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+    # The object as our last status patch left it. Events of a run's JobSet and pods carry the
+    # TPUFineTune from the watch cache, which may not have seen that patch yet; deriving from the
+    # older copy would repeat the patch and its event.
+    _written: dict[tuple[str, str], Obj] = field(default_factory=dict)
+
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._locks_guard:
+            self._locks.pop(key, None)
+            self._written.pop(key, None)
+        metrics.forget_run(key)
+
+    def _freshest(self, key: tuple[str, str], finetune: Obj) -> Obj:
+        written = self._written.get(key)
+        if written is None or written["metadata"].get("uid") != finetune["metadata"].get("uid"):
+            return finetune
+        try:
+            newer = int(written["metadata"]["resourceVersion"]) > int(finetune["metadata"]["resourceVersion"])
+        except (KeyError, ValueError):
+            return finetune  # resourceVersions are opaque in general; only compare etcd's integers
+        return written if newer else finetune
+
+    def reconcile(
+        self,
+        finetune: Obj,
+        jobset: Obj | None,
+        pods: Sequence[Obj],
+        *,
+        event: EventSink,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+    ) -> None:
+        log = logger or self.log
+        meta = finetune["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if meta.get("deletionTimestamp"):
+            return  # garbage collection removes what we made; nothing to do
+        started = time.perf_counter()
+        with self._lock(key), metrics.RECONCILE_SECONDS.time():
+            try:
+                self._reconcile(finetune, jobset, pods, event, log)
+                metrics.RECONCILES.labels(result="ok").inc()
+            except Exception:
+                metrics.RECONCILES.labels(result="error").inc()
+                raise
+            finally:
+                log.debug("reconciled in %.3fs", time.perf_counter() - started)
+
+    def _reconcile(
+        self,
+        finetune: Obj,
+        jobset: Obj | None,
+        pods: Sequence[Obj],
+        event: EventSink,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        meta = finetune["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        finetune = self._freshest((namespace, name), finetune)
+        rendered: RenderedRun | None = None
+        spec_error: tuple[str, str] | None = None
+        # The desired state depends on the spec alone; status and server-set metadata stay out.
+        desired = {
+            key: finetune[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in finetune
+        }
+        try:
+            rendered = render_run(desired, self.render_settings)
+        except SpecError as error:
+            spec_error = (error.field, error.reason)
+
+        decision = decide(finetune, rendered, jobset)
+        if decision.create and rendered is not None:
+            for obj in rendered.objects:
+                live, created = self.api.create_or_adopt(obj)
+                if obj["kind"] == "JobSet":
+                    jobset = live
+                    if created and decision.recreated:
+                        log.warning(
+                            "JobSet %s was deleted while the run was active; recreated it",
+                            rendered.jobset_name,
+                        )
+                        event(
+                            "Warning",
+                            "JobSetRecreated",
+                            f"JobSet {rendered.jobset_name} was deleted while the run was active; recreated it",
+                        )
+                    elif created:
+                        log.info("created JobSet %s", rendered.jobset_name)
+                        event(
+                            "Normal",
+                            "JobSetCreated",
+                            f"created JobSet {rendered.jobset_name} ({rendered.shape.hosts} TPU hosts, {rendered.shape.chips} chips)",
+                        )
+                    else:
+                        log.info("adopted existing JobSet %s", rendered.jobset_name)
+        if decision.set_suspend is not None and jobset is not None:
+            self.api.patch_jobset_suspend(namespace, jobset["metadata"]["name"], decision.set_suspend)
+            verb = "suspended" if decision.set_suspend else "resumed"
+            log.info("%s JobSet %s", verb, jobset["metadata"]["name"])
+            event(
+                "Normal",
+                verb.capitalize(),
+                f"{verb} JobSet {jobset['metadata']['name']} (spec.suspend={str(decision.set_suspend).lower()})",
+            )
+            jobset = {**jobset, "spec": {**(jobset.get("spec") or {}), "suspend": decision.set_suspend}}
+
+        shape = rendered.shape if rendered is not None else None
+        derived = derive_status(
+            Observed(
+                finetune=finetune,
+                jobset=jobset,
+                pods=pods,
+                spec_error=spec_error,
+                chips=shape.chips if shape else None,
+                hosts=shape.hosts if shape else None,
+                accelerator=shape.family.accelerator if shape else None,
+                topology=shape.topology if shape else None,
+            )
+        )
+        metrics.observe_phase((namespace, name), derived["phase"])
+        current: Obj = finetune.get("status") or {}
+        patch = status_patch(current, derived)
+        if patch is None:
+            return
+        self._written[(namespace, name)] = self.api.patch_finetune_status(namespace, name, patch)
+        if patch.get("phase") and patch["phase"] != current.get("phase"):
+            kind, reason = _EVENT_FOR_PHASE[derived["phase"]]
+            log.info(
+                "phase %s -> %s: %s", current.get("phase") or "(new)", derived["phase"], derived["message"]
+            )
+            event(kind, reason, derived["message"])
+        elif _became_unschedulable(current, derived):
+            log.warning("unschedulable: %s", derived["message"])
+            event("Warning", "Unschedulable", derived["message"])
+
+
+def _became_unschedulable(current: Obj, derived: Obj) -> bool:
+    def scheduled(status: Obj) -> str | None:
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "Scheduled":
+                return str(cond.get("status"))
+        return None
+
+    return scheduled(derived) == "False" and scheduled(current) != "False"

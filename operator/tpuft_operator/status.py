@@ -1,0 +1,253 @@
+"""derive_status: what a TPUFineTune's status is, from what was observed. Pure.
+
+The phase machine (one transition a line; "terminal" phases never change again):
+
+    Failed     <- the spec is invalid (condition Valid=False names the field)
+    Suspended  <- spec.suspend is true
+    Queued     <- spec.queueName is set and the JobSet is still suspended (Kueue has not admitted it)
+    Pending    <- no JobSet yet, or not every pod is running (Scheduled=False says why)
+    Running    <- every pod of every slice is running
+    Succeeded  <- the JobSet completed (terminal)
+    Failed     <- the JobSet failed: a user error, or restarts exhausted (terminal)
+
+It reads only its input, so a restarted operator derives the same status from the same cluster,
+and it never writes `status.progress` (the trainer owns that field).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from tpuft_trainer.exit_codes import ExitCode, is_user_error
+
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+Obj = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything derive_status may look at."""
+
+    finetune: Obj
+    jobset: Obj | None
+    pods: Sequence[Obj] = ()
+    # From validation/rendering: ("spec.tpu.topology", "reason") when the spec cannot run.
+    spec_error: tuple[str, str] | None = None
+    chips: int | None = None
+    hosts: int | None = None
+    accelerator: str | None = None
+    topology: str | None = None
+    now: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+def _condition(obj: Obj | None, type_: str) -> Obj | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+def _is_true(obj: Obj | None, type_: str) -> bool:
+    cond = _condition(obj, type_)
+    return bool(cond and cond.get("status") == "True")
+
+
+def _timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _pod_running(pod: Obj) -> bool:
+    """Running and ready, or already finished well: a host that succeeded before the JobSet's
+    Completed condition arrives must not turn a running run back into Pending."""
+    phase = (pod.get("status") or {}).get("phase")
+    return (phase == "Running" and _is_true(pod, "Ready")) or phase == "Succeeded"
+
+
+def _unschedulable_message(pods: Sequence[Obj]) -> str | None:
+    for pod in pods:
+        cond = _condition(pod, "PodScheduled")
+        if cond and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+            return str(cond.get("message") or "unschedulable")
+    return None
+
+
+def _terminated_exit(pods: Sequence[Obj]) -> tuple[str, int] | None:
+    """(pod name, exit code) of the first trainer container that failed, preferring user errors."""
+    failures = []
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            terminated = (status.get("state") or {}).get("terminated")
+            if terminated and terminated.get("exitCode"):
+                failures.append((pod["metadata"]["name"], int(terminated["exitCode"])))
+    failures.sort(key=lambda failure: not is_user_error(failure[1]))
+    return failures[0] if failures else None
+
+
+def _describe_exit(code: int) -> str:
+    try:
+        name = ExitCode(code).name
+    except ValueError:
+        return f"exit code {code}"
+    return f"exit code {code} ({name})"
+
+
+@dataclass
+class _Derived:
+    phase: str
+    reason: str
+    message: str
+    conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, msg)
+
+
+def _derive_phase(obs: Observed) -> _Derived:
+    spec = obs.finetune.get("spec") or {}
+    previous_phase = (obs.finetune.get("status") or {}).get("phase")
+    if obs.spec_error is not None:
+        path, reason = obs.spec_error
+        message = f"{path}: {reason}"
+        return _Derived("Failed", "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
+    valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
+    if previous_phase in TERMINAL_PHASES and obs.jobset is None:
+        # Finished runs stay finished even when their JobSet is gone (deleted by someone, or GC).
+        status = obs.finetune.get("status") or {}
+        return _Derived(previous_phase, "Finished", status.get("message") or "", valid)
+    jobset = obs.jobset
+    if jobset is None:
+        if (obs.finetune.get("status") or {}).get("jobSetName"):
+            return _Derived("Pending", "JobSetMissing", "the JobSet was deleted; recreating it", valid)
+        return _Derived("Pending", "Creating", "creating the JobSet", valid)
+    if _is_true(jobset, "Completed"):
+        return _Derived(
+            "Succeeded",
+            "Completed",
+            "training finished",
+            {**valid, "Complete": ("True", "Completed", "training finished")},
+        )
+    if _is_true(jobset, "Failed"):
+        cond = _condition(jobset, "Failed") or {}
+        failure = _terminated_exit(obs.pods)
+        if failure and is_user_error(failure[1]):
+            pod, code = failure
+            message = (
+                f"the trainer failed with a user error, {_describe_exit(code)} on pod {pod}; not retried "
+                "(fix the spec or the data and recreate the TPUFineTune)"
+            )
+            reason = "UserError"
+        else:
+            restarts = (jobset.get("status") or {}).get("restarts", 0)
+            message = (
+                f"the JobSet failed after {restarts} restart(s): {cond.get('message') or cond.get('reason')}"
+            )
+            reason = str(cond.get("reason") or "JobSetFailed")
+        return _Derived("Failed", reason, message, {**valid, "Failed": ("True", reason, message)})
+    jobset_suspended = bool((jobset.get("spec") or {}).get("suspend"))
+    if spec.get("suspend"):
+        message = "suspended by spec.suspend; set it to false to resume"
+        return _Derived(
+            "Suspended", "Suspended", message, {**valid, "Suspended": ("True", "SpecSuspend", message)}
+        )
+    if jobset_suspended and spec.get("queueName"):
+        message = f"waiting for Kueue to admit it from queue {spec['queueName']}"
+        return _Derived("Queued", "Queued", message, {**valid, "Suspended": ("True", "Queued", message)})
+    not_suspended = {"Suspended": ("False", "Resumed", "not suspended")}
+    expected = obs.hosts or 0
+    running = [pod for pod in obs.pods if _pod_running(pod)]
+    if expected and len(running) >= expected:
+        message = f"{len(running)}/{expected} TPU hosts running"
+        return _Derived(
+            "Running",
+            "Running",
+            message,
+            {
+                **valid,
+                **not_suspended,
+                "Scheduled": ("True", "Scheduled", message),
+                "Running": ("True", "Running", message),
+            },
+        )
+    unschedulable = _unschedulable_message(obs.pods)
+    if unschedulable:
+        message = (
+            f"no node pool can take the TPU pods: they need nodes with "
+            f"cloud.google.com/gke-tpu-accelerator={obs.accelerator} and "
+            f"cloud.google.com/gke-tpu-topology={obs.topology} (one node pool per slice) with free "
+            f"google.com/tpu chips; the scheduler says: {unschedulable}"
+        )
+        return _Derived(
+            "Pending",
+            "Unschedulable",
+            message,
+            {**valid, **not_suspended, "Scheduled": ("False", "Unschedulable", message)},
+        )
+    message = f"{len(running)}/{expected} TPU hosts running"
+    return _Derived("Pending", "Starting", message, {**valid, **not_suspended})
+
+
+def _merge_conditions(
+    previous: Sequence[Obj], wanted: Mapping[str, tuple[str, str, str]], generation: int | None, now: datetime
+) -> list[dict[str, Any]]:
+    """Standard conditions; lastTransitionTime moves only when a condition's status changes."""
+    by_type = {c.get("type"): c for c in previous}
+    merged = []
+    for type_, (status, reason, message) in sorted(wanted.items()):
+        old = by_type.get(type_)
+        changed = old is None or old.get("status") != status
+        merged.append(
+            {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "observedGeneration": generation,
+                "lastTransitionTime": _timestamp(now) if changed else old["lastTransitionTime"],  # type: ignore[index]
+            }
+        )
+    # Conditions we no longer assert keep their last value (e.g. Running=True after success).
+    merged += [dict(c) for t, c in sorted(by_type.items(), key=lambda kv: str(kv[0])) if t not in wanted]
+    return merged
+
+
+def derive_status(obs: Observed) -> dict[str, Any]:
+    """The operator-owned part of `status` (camelCase, ready to merge-patch). Never `progress`."""
+    previous: Obj = obs.finetune.get("status") or {}
+    metadata = obs.finetune.get("metadata") or {}
+    derived = _derive_phase(obs)
+    jobset_status: Obj = (obs.jobset or {}).get("status") or {}
+    status: dict[str, Any] = {
+        "phase": derived.phase,
+        "message": derived.message,
+        "observedGeneration": metadata.get("generation"),
+        "conditions": _merge_conditions(
+            previous.get("conditions") or [], derived.conditions, metadata.get("generation"), obs.now
+        ),
+    }
+    if obs.chips is not None:
+        status["chips"] = obs.chips
+    if obs.hosts is not None:
+        status["hosts"] = obs.hosts
+    if obs.jobset is not None:
+        status["jobSetName"] = obs.jobset["metadata"]["name"]
+        status["restarts"] = max(int(jobset_status.get("restarts") or 0), int(previous.get("restarts") or 0))
+    elif previous.get("jobSetName"):
+        status["jobSetName"] = previous["jobSetName"]
+        status["restarts"] = previous.get("restarts", 0)
+    start = previous.get("startTime")
+    if start is None and derived.phase in {"Running", "Succeeded"}:
+        start = _timestamp(obs.now)
+    if start is not None:
+        status["startTime"] = start
+    completion = previous.get("completionTime")
+    if derived.phase in TERMINAL_PHASES and completion is None:
+        completion = _timestamp(obs.now)
+    if completion is not None and derived.phase in TERMINAL_PHASES:
+        status["completionTime"] = completion
+    return status
+
+
+def status_patch(current: Obj, derived: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that brings `current` status to `derived`, or None when nothing changed."""
+    changes = {key: value for key, value in derived.items() if current.get(key) != value}
+    return changes or None

@@ -1,0 +1,337 @@
+"""The operator against the real control plane: JobSet controller + webhooks, Job controller,
+scheduler, garbage collector and kwok TPU nodes. The operator runs as the chart's ServiceAccount."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import unique
+from tests.e2e.conftest import OPERATOR_NAMESPACE, SERVICE_ACCOUNT, OperatorProcess
+from tests.support import condition, get_json, wait_for
+from tpuft_operator.cluster import kwok
+from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.render import RenderSettings, render_run
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+HOLD_RUNNING = {kwok.COMPLETE_DELAY_ANNOTATION: "15s"}
+
+
+def finetune(
+    name: str,
+    namespace: str,
+    *,
+    tpu: dict[str, Any] | None = None,
+    pod_annotations: dict[str, str] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.2-1B"},
+            "dataset": {"name": "gs://example-bucket/data/train.jsonl"},
+            "tpu": tpu or {"type": "v5p", "topology": "2x2x2"},
+            "training": {"maxSteps": 10},
+            "output": {"uri": "gs://example-bucket/out"},
+            **spec,
+        },
+    }
+    if pod_annotations:
+        body["spec"]["podAnnotations"] = pod_annotations
+    return body
+
+
+def ft_get(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
+    return dict(get_json(cluster, "tpufinetune", name, "-n", namespace))
+
+
+def wait_phase(
+    cluster: LocalCluster, namespace: str, name: str, phase: str, timeout: float = 90
+) -> dict[str, Any]:
+    return wait_for(
+        lambda: (ft := ft_get(cluster, namespace, name)).get("status", {}).get("phase") == phase and ft,
+        timeout=timeout,
+        what=f"TPUFineTune {name} to be {phase}",
+    )
+
+
+def events(cluster: LocalCluster, namespace: str, name: str) -> list[tuple[str, str]]:
+    items = get_json(
+        cluster,
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"involvedObject.kind=TPUFineTune,involvedObject.name={name}",
+    )["items"]
+    return [(e["reason"], e["message"]) for e in items]
+
+
+def jobsets(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    return list(get_json(cluster, "jobsets", "-n", namespace)["items"])
+
+
+@pytest.fixture
+def v5p_pool(local_cluster: LocalCluster) -> list[str]:
+    return local_cluster.add_nodepool("v5p", "2x2x2", prefix=unique("v5p"))
+
+
+def test_apply_to_succeeded_with_the_rendered_jobset(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    body = finetune("llama", namespace, pod_annotations=HOLD_RUNNING)
+    local_cluster.apply([body])
+
+    running = wait_phase(local_cluster, namespace, "llama", "Running")
+    status = running["status"]
+    assert status["chips"] == 8 and status["hosts"] == 2 and status["restarts"] == 0
+    assert status["jobSetName"] == "llama"
+    assert status["observedGeneration"] == running["metadata"]["generation"]
+    assert "startTime" in status and "completionTime" not in status
+    assert condition(running, "Running")["status"] == "True"  # type: ignore[index]
+
+    # The JobSet is exactly what `tpuft render` prints: the webhooks defaulted nothing (no drift).
+    live = get_json(local_cluster, "jobset", "llama", "-n", namespace)
+    expected = render_run(
+        {**body, "metadata": {**body["metadata"], "uid": running["metadata"]["uid"]}},
+        RenderSettings(trainer_image="example.invalid/tpuft-trainer:test"),
+    )
+    assert live["spec"] == expected.jobset["spec"]
+    assert live["metadata"]["ownerReferences"][0]["uid"] == running["metadata"]["uid"]
+    pods = get_json(local_cluster, "pods", "-n", namespace, "-l", "jobset.sigs.k8s.io/jobset-name=llama")[
+        "items"
+    ]
+    assert {p["spec"]["nodeName"] for p in pods} <= set(
+        get_json(local_cluster, "nodes")["items"]
+        and [
+            n["metadata"]["name"]
+            for n in get_json(local_cluster, "nodes", "-l", "cloud.google.com/gke-tpu-topology=2x2x2")[
+                "items"
+            ]
+        ]
+    )
+    assert all(p["spec"]["serviceAccountName"] == "llama-progress" for p in pods)
+
+    table = local_cluster.kubectl("get", "tpuft", "llama", "-n", namespace).stdout
+    assert table.split("\n")[0].split()[:5] == ["NAME", "PHASE", "TYPE", "TOPOLOGY", "SLICES"]
+    assert "Running" in table and "v5p" in table and "2x2x2" in table
+
+    done = wait_phase(local_cluster, namespace, "llama", "Succeeded", timeout=120)
+    assert done["status"]["completionTime"] >= done["status"]["startTime"]
+    reasons = [reason for reason, _ in events(local_cluster, namespace, "llama")]
+    assert {"JobSetCreated", "Running", "Succeeded"} <= set(reasons)
+
+
+def test_unschedulable_until_a_matching_pool_appears(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    local_cluster.apply([finetune("wait-pool", namespace, tpu={"type": "v4", "topology": "2x2x4"})])
+
+    def unschedulable() -> dict[str, Any] | None:
+        ft = ft_get(local_cluster, namespace, "wait-pool")
+        cond = condition(ft, "Scheduled")
+        return ft if cond and cond["status"] == "False" else None
+
+    pending = wait_for(unschedulable, timeout=60, what="the Unschedulable condition")
+    assert pending["status"]["phase"] == "Pending"
+    message = condition(pending, "Scheduled")["message"]  # type: ignore[index]
+    assert "tpu-v4-podslice" in message and "2x2x4" in message
+    assert ("Unschedulable", message) in events(local_cluster, namespace, "wait-pool")
+
+    local_cluster.add_nodepool("v4", "2x2x4", prefix=unique("v4"))
+    wait_phase(local_cluster, namespace, "wait-pool", "Succeeded", timeout=120)
+
+
+def test_user_error_fails_without_retries(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    local_cluster.apply(
+        [finetune("bad-data", namespace, maxRestarts=3, pod_annotations=kwok.simulated_exit(65))]
+    )
+    failed = wait_phase(local_cluster, namespace, "bad-data", "Failed", timeout=120)
+    assert failed["status"]["restarts"] == 0
+    assert condition(failed, "Failed")["reason"] == "UserError"  # type: ignore[index]
+    assert "exit code 65 (DATA_ERROR)" in failed["status"]["message"]
+    assert get_json(local_cluster, "jobset", "bad-data", "-n", namespace)["status"].get("restarts", 0) == 0
+
+
+def test_infrastructure_failure_restarts_then_succeeds(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    # The trainers are SIGKILLed (exit 137, as on preemption) on the first attempt only.
+    annotations = kwok.simulated_first_attempt_exit(137, after="3s")
+    local_cluster.apply([finetune("preempted", namespace, maxRestarts=2, pod_annotations=annotations)])
+    wait_phase(local_cluster, namespace, "preempted", "Running")
+    wait_for(
+        lambda: ft_get(local_cluster, namespace, "preempted")["status"].get("restarts") == 1,
+        timeout=90,
+        what="the restart to be counted in status",
+    )
+    done = wait_phase(local_cluster, namespace, "preempted", "Succeeded", timeout=150)
+    assert done["status"]["restarts"] == 1
+
+
+def test_restarts_exhausted_fails(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    local_cluster.apply(
+        [finetune("crashy", namespace, maxRestarts=1, pod_annotations=kwok.simulated_exit(137))]
+    )
+    failed = wait_phase(local_cluster, namespace, "crashy", "Failed", timeout=150)
+    assert failed["status"]["restarts"] == 1
+    assert "after 1 restart" in failed["status"]["message"]
+
+
+def test_suspend_and_resume(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    local_cluster.apply([finetune("pausable", namespace, suspend=True, pod_annotations=HOLD_RUNNING)])
+    wait_phase(local_cluster, namespace, "pausable", "Suspended")
+    assert get_json(local_cluster, "jobset", "pausable", "-n", namespace)["spec"]["suspend"] is True
+    time.sleep(2)
+    assert not get_json(local_cluster, "pods", "-n", namespace)["items"]
+
+    local_cluster.kubectl(
+        "patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    wait_phase(local_cluster, namespace, "pausable", "Running")
+    local_cluster.kubectl(
+        "patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+    )
+    suspended = wait_phase(local_cluster, namespace, "pausable", "Suspended")
+    assert get_json(local_cluster, "jobset", "pausable", "-n", namespace)["spec"]["suspend"] is True
+    assert condition(suspended, "Suspended")["status"] == "True"  # type: ignore[index]
+    reasons = {reason for reason, _ in events(local_cluster, namespace, "pausable")}
+    assert {"Suspended", "Resumed"} <= reasons
+
+
+def test_kueue_style_queued_until_admitted(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    local_cluster.apply([finetune("queued", namespace, queueName="tpu-queue")])
+    queued = wait_phase(local_cluster, namespace, "queued", "Queued")
+    assert "tpu-queue" in queued["status"]["message"]
+    live = get_json(local_cluster, "jobset", "queued", "-n", namespace)
+    assert live["spec"]["suspend"] is True
+    assert live["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tpu-queue"
+    time.sleep(3)  # the operator must not unsuspend a queued run itself
+    assert get_json(local_cluster, "jobset", "queued", "-n", namespace)["spec"]["suspend"] is True
+    # Kueue admits the workload by unsuspending the JobSet.
+    local_cluster.kubectl(
+        "patch", "jobset", "queued", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    wait_phase(local_cluster, namespace, "queued", "Succeeded", timeout=120)
+
+
+def test_delete_cascades_to_everything_the_run_created(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    local_cluster.apply([finetune("doomed", namespace, pod_annotations=HOLD_RUNNING)])
+    wait_phase(local_cluster, namespace, "doomed", "Running")
+    kinds = ("jobsets", "jobs", "configmaps", "serviceaccounts", "roles", "rolebindings")
+    selector = "tpuft.dev/finetune=doomed"
+    assert all(
+        get_json(local_cluster, k, "-n", namespace, "-l", selector)["items"]
+        for k in ("jobsets", "configmaps", "roles")
+    )
+    local_cluster.kubectl("delete", "tpuft", "doomed", "-n", namespace, "--wait=true", "--timeout=30s")
+    wait_for(
+        lambda: (
+            not any(get_json(local_cluster, k, "-n", namespace, "-l", selector)["items"] for k in kinds)
+            and not get_json(local_cluster, "pods", "-n", namespace)["items"]
+        ),
+        timeout=120,
+        what="garbage collection of the run's objects",
+    )
+
+
+def test_deleted_jobset_is_recreated_while_active_but_not_after_completion(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    local_cluster.apply(
+        [finetune("fragile", namespace, pod_annotations={kwok.COMPLETE_DELAY_ANNOTATION: "8s"})]
+    )
+    wait_phase(local_cluster, namespace, "fragile", "Running")
+    first_uid = get_json(local_cluster, "jobset", "fragile", "-n", namespace)["metadata"]["uid"]
+    local_cluster.kubectl("delete", "jobset", "fragile", "-n", namespace, "--wait=true", "--timeout=60s")
+
+    recreated = wait_for(
+        lambda: (
+            (js := [j for j in jobsets(local_cluster, namespace) if j["metadata"]["uid"] != first_uid])
+            and js[0]
+        ),
+        timeout=60,
+        what="the operator to recreate the JobSet",
+    )
+    assert recreated["metadata"]["name"] == "fragile"
+    assert "JobSetRecreated" in {reason for reason, _ in events(local_cluster, namespace, "fragile")}
+    wait_phase(local_cluster, namespace, "fragile", "Succeeded", timeout=120)
+
+    local_cluster.kubectl("delete", "jobset", "fragile", "-n", namespace, "--wait=true", "--timeout=60s")
+    time.sleep(8)  # longer than the operator's resync interval (5 s in these tests)
+    assert not jobsets(local_cluster, namespace)
+    assert ft_get(local_cluster, namespace, "fragile")["status"]["phase"] == "Succeeded"
+
+
+def test_invalid_spec_past_the_crd_fails_with_the_field(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    # A cross-field rule the CRD does not check (a mount naming no volume); the operator does.
+    body = finetune("bad-mount", namespace, volumeMounts=[{"name": "missing", "mountPath": "/data"}])
+    local_cluster.apply([body])
+    failed = wait_phase(local_cluster, namespace, "bad-mount", "Failed")
+    valid = condition(failed, "Valid")
+    assert valid is not None and valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert valid["message"].startswith("spec.volumeMounts[0].name: no volume named 'missing'")
+    assert not jobsets(local_cluster, namespace)
+    generation_before = failed["metadata"]["resourceVersion"]
+    time.sleep(8)  # not retried in a loop: the object is not rewritten by resyncs
+    assert ft_get(local_cluster, namespace, "bad-mount")["metadata"]["resourceVersion"] == generation_before
+
+
+def test_operator_sigkilled_mid_creation_makes_exactly_one_jobset_per_run(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    names = [f"burst-{i}" for i in range(6)]
+    local_cluster.apply([finetune(n, namespace, pod_annotations=HOLD_RUNNING) for n in names])
+    time.sleep(0.5)
+    operator.kill()
+    operator.start()
+    for name in names:
+        wait_phase(local_cluster, namespace, name, "Running", timeout=120)
+    found = sorted(j["metadata"]["name"] for j in jobsets(local_cluster, namespace))
+    assert found == names
+
+
+def test_operator_permissions_are_the_charts(local_cluster: LocalCluster, operator: OperatorProcess) -> None:
+    who = f"--as=system:serviceaccount:{OPERATOR_NAMESPACE}:{SERVICE_ACCOUNT}"
+
+    def can(*args: str) -> bool:
+        result = local_cluster.kubectl("auth", "can-i", *args, who, check=False)
+        return result.stdout.strip() == "yes"
+
+    assert can("create", "jobsets.jobset.x-k8s.io", "-n", "default")
+    assert can("patch", "tpufinetunes.tpuft.dev", "--subresource=status", "-n", "default")
+    assert not can("get", "secrets", "-A")
+    assert not can("create", "pods", "-n", "default")
+    assert not can("update", "tpufinetunes.tpuft.dev", "-n", "default")  # never writes spec
+    assert not can("escalate", "roles.rbac.authorization.k8s.io", "-n", "default")
+    assert not can("bind", "roles.rbac.authorization.k8s.io", "-n", "default")
+    # An action outside its role fails for real when attempted with its credentials.
+    denied = local_cluster.kubectl(
+        "get", "secrets", "-n", "default", kubeconfig=operator.kubeconfig, check=False
+    )
+    assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
+
+
+def test_metrics_and_health(local_cluster: LocalCluster, operator: OperatorProcess) -> None:
+    text = operator.metrics()
+    assert "tpuft_reconciles_total" in text
+    assert "tpuft_reconcile_duration_seconds_bucket" in text
+    assert 'tpuft_runs{phase="Running"}' in text
+    assert operator.alive()
