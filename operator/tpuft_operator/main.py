@@ -65,7 +65,13 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
 
 def build_memo(settings: OperatorSettings) -> kopf.Memo:
     api = Api(load_client(settings.kubeconfig))
-    reconciler = Reconciler(api=api, render_settings=RenderSettings(trainer_image=settings.trainer_image))
+    reconciler = Reconciler(
+        api=api,
+        render_settings=RenderSettings(
+            trainer_image=settings.trainer_image,
+            progress_min_interval_seconds=settings.progress_interval_seconds,
+        ),
+    )
     return kopf.Memo(settings=settings, reconciler=reconciler)
 
 

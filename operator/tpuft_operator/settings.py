@@ -56,6 +56,11 @@ class OperatorSettings:
         "retries a failed API call and heals a missed event.",
         "TPUFT_RESYNC_SECONDS",
     )
+    progress_interval_seconds: float = _setting(
+        10.0,
+        "Least time between two progress reports of a run's trainer (each is one status patch).",
+        "TPUFT_PROGRESS_INTERVAL_SECONDS",
+    )
     log_level: str = _setting(
         "INFO",
         "Log level: DEBUG, INFO, WARNING, ERROR.",

@@ -17,7 +17,7 @@ from tpuft_operator.render import RenderSettings, render_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
-HOLD_RUNNING = {kwok.COMPLETE_DELAY_ANNOTATION: "15s"}
+HOLD_RUNNING = kwok.hold_running("15s")
 
 
 def finetune(
@@ -253,9 +253,7 @@ def test_delete_cascades_to_everything_the_run_created(
 def test_deleted_jobset_is_recreated_while_active_but_not_after_completion(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
 ) -> None:
-    local_cluster.apply(
-        [finetune("fragile", namespace, pod_annotations={kwok.COMPLETE_DELAY_ANNOTATION: "8s"})]
-    )
+    local_cluster.apply([finetune("fragile", namespace, pod_annotations=kwok.hold_running("8s"))])
     wait_phase(local_cluster, namespace, "fragile", "Running")
     first_uid = get_json(local_cluster, "jobset", "fragile", "-n", namespace)["metadata"]["uid"]
     local_cluster.kubectl("delete", "jobset", "fragile", "-n", namespace, "--wait=true", "--timeout=60s")

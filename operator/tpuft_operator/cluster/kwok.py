@@ -2,8 +2,7 @@
 
 kwok's stages come from its Go module (read at run time, never copied here): nodes become Ready and
 keep a lease; pods of a Job go Pending -> Running -> Succeeded after short delays, which a pod can
-override with kwok's own annotations (e.g. ``pod-complete.stage.kwok.x-k8s.io/delay: 60s`` keeps it
-Running for a minute). Three stages are ours: a pod annotated ``kwok.tpuft.dev/exit-code`` terminates
+override with kwok's own annotations (`hold_running("60s")` keeps it Running for a minute). Three stages are ours: a pod annotated ``kwok.tpuft.dev/exit-code`` terminates
 with that exit code instead (see `simulated_exit`), so tests can play a user error (64) or a crash;
 ``kwok.tpuft.dev/first-attempt-exit-code`` does so only on the JobSet's first attempt
 (`simulated_first_attempt_exit`), so a restart can be seen to cure it.
@@ -23,7 +22,8 @@ EXIT_CODE_ANNOTATION = "kwok.tpuft.dev/exit-code"
 EXIT_DELAY_ANNOTATION = "kwok.tpuft.dev/exit-delay"
 # kwok's upstream pod-complete stage reads its weight from this annotation; 0 takes it out of the race.
 _COMPLETE_WEIGHT_ANNOTATION = "pod-complete.stage.kwok.x-k8s.io/weight"
-COMPLETE_DELAY_ANNOTATION = "pod-complete.stage.kwok.x-k8s.io/delay"
+_COMPLETE_DELAY_ANNOTATION = "pod-complete.stage.kwok.x-k8s.io/delay"
+_COMPLETE_JITTER_ANNOTATION = "pod-complete.stage.kwok.x-k8s.io/jitter-delay"
 TPU_TAINT = {"key": topology.TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 
 # Stage files inside the kwok module (kustomize/stage/...).
@@ -111,6 +111,15 @@ _OUR_STAGES = (
         exit_code='"0"',
     ),
 )
+
+
+def hold_running(duration: str) -> dict[str, str]:
+    """Pod annotations that keep a kwok pod Running for ``duration`` (e.g. "15s") before it succeeds.
+
+    Both are needed: kwok treats the jitter delay as an upper bound, so a delay longer than the
+    stage's default jitter (5 s) alone would be cut short.
+    """
+    return {_COMPLETE_DELAY_ANNOTATION: duration, _COMPLETE_JITTER_ANNOTATION: duration}
 
 
 def simulated_exit(exit_code: int, after: str = "1s") -> dict[str, str]:

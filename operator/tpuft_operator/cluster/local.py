@@ -335,7 +335,18 @@ class LocalCluster:
         # ~800 KB: too big for client-side apply's last-applied annotation, hence server-side.
         self.apply(crd.read_text())
         self.apply(webhook_configurations(module, self.ports["jobset-webhook"], self.layout.pki.ca_cert))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/jobsets.jobset.x-k8s.io")
+        self.wait_established("jobsets.jobset.x-k8s.io")
+
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Waits for a CRD to be served. (`kubectl wait` fails outright while status is still empty.)"""
+        jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = self.kubectl("get", "crd", crd, "-o", f"jsonpath={jsonpath}", check=False)
+            if result.stdout.strip() == "True":
+                return
+            time.sleep(0.2)
+        raise ClusterError(f"CRD {crd} was not established within {timeout:.0f}s")
 
     def add_nodepool(
         self,

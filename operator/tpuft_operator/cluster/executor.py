@@ -1,0 +1,294 @@
+"""Runs the containers of fake-node pods as host processes: a tiny kubelet for the local cluster.
+
+kwok schedules and starts pods on fake TPU nodes but runs nothing. For `make demo` (and the e2e test
+of progress), pods annotated ``tpuft.dev/run-on-host: "true"`` are executed for real: the executor
+waits until kwok reports the pod Running, then runs the container's exact command on this machine
+with the pod's environment (values, downward-API fields, Secret keys), its ConfigMap volumes
+materialised in a temporary directory, and credentials of the pod's ServiceAccount (a bound token,
+so RBAC applies exactly as in the pod). When the process exits it reports the exit code in the pod
+status, as a kubelet does. `google.com/tpu: N` becomes N PJRT CPU devices.
+
+Limits, by design: hostPath volumes must be mounted at their own path (no chroot here); images are
+ignored (the host's Python environment is the image).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpuft_operator.cluster.kwok import hold_running
+from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.topology import TPU_RESOURCE
+
+RUN_ON_HOST_ANNOTATION = "tpuft.dev/run-on-host"
+log = logging.getLogger("tpuft.executor")
+
+
+def run_on_host_annotations() -> dict[str, str]:
+    """Pod annotations for a pod the executor should run (kwok keeps it Running meanwhile)."""
+    return {RUN_ON_HOST_ANNOTATION: "true", **hold_running("24h")}
+
+
+class PodSpecError(RuntimeError):
+    """The pod uses something the executor cannot reproduce on the host."""
+
+
+_FIELD_PATH = re.compile(r"^metadata\.(annotations|labels)\['([^']+)'\]$")
+
+
+def _field_value(pod: dict[str, Any], path: str) -> str:
+    simple = {
+        "metadata.name": pod["metadata"]["name"],
+        "metadata.namespace": pod["metadata"]["namespace"],
+        "metadata.uid": pod["metadata"].get("uid", ""),
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
+        "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+        "status.podIP": pod.get("status", {}).get("podIP", "127.0.0.1"),
+    }
+    if path in simple:
+        return str(simple[path])
+    match = _FIELD_PATH.match(path)
+    if match:
+        return str((pod["metadata"].get(match[1]) or {}).get(match[2], ""))
+    raise PodSpecError(f"unsupported fieldRef {path!r}")
+
+
+@dataclass
+class HostProcess:
+    pod: str
+    process: subprocess.Popen[bytes]
+    workdir: Path
+    log_path: Path
+
+
+@dataclass
+class LocalExecutor:
+    cluster: LocalCluster
+    namespace: str
+    log_dir: Path
+    poll_seconds: float = 1.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    _running: dict[str, HostProcess] = field(default_factory=dict)
+    _done: set[str] = field(default_factory=set)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._loop, name="local-executor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for host in self._running.values():
+            if host.process.poll() is None:
+                host.process.terminate()
+                try:
+                    host.process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    host.process.kill()
+            shutil.rmtree(host.workdir, ignore_errors=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception as error:  # a transient API error must not end the executor
+                log.warning("executor pass failed: %s", error)
+            self._stop.wait(self.poll_seconds)
+
+    def _tick(self) -> None:
+        pods = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-o", "json").stdout)[
+            "items"
+        ]
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            wanted = (pod["metadata"].get("annotations") or {}).get(RUN_ON_HOST_ANNOTATION) == "true"
+            running = pod.get("status", {}).get("phase") == "Running"
+            if wanted and running and name not in self._running and name not in self._done:
+                self._launch(pod)
+        for name, host in list(self._running.items()):
+            code = host.process.poll()
+            if code is not None:
+                self._report_exit(name, code)
+                del self._running[name]
+                self._done.add(name)
+                shutil.rmtree(host.workdir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ one pod
+    def _launch(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        workdir = Path(tempfile.mkdtemp(prefix=f"tpuft-pod-{name}-"))
+        try:
+            container = pod["spec"]["containers"][0]
+            mounts = self._mounts(pod, container, workdir)
+            argv = [
+                self._rewrite(arg, mounts)
+                for arg in [*container.get("command", []), *container.get("args", [])]
+            ]
+            if argv and argv[0] == "tpuft":
+                # The image's entry point is this environment's tpuft, whatever PATH says.
+                argv[:1] = [sys.executable, "-m", "tpuft_operator"]
+            env = self._environment(pod, container, workdir)
+        except PodSpecError as error:
+            log.error("cannot run pod %s on the host: %s", name, error)
+            self._report_exit(name, 127)
+            self._done.add(name)
+            return
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("ab") as out:
+            try:
+                process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+            except OSError as error:  # what a kubelet reports as a failed container start
+                log.error("cannot start pod %s: %s", name, error)
+                self._report_exit(name, 127)
+                self._done.add(name)
+                return
+        log.info("running pod %s on the host: %s (log %s)", name, " ".join(argv), log_path)
+        self._running[name] = HostProcess(name, process, workdir, log_path)
+
+    def _mounts(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
+        """mountPath -> host path, materialising ConfigMap volumes."""
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        mounts: dict[str, str] = {}
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"], {})
+            if "configMap" in volume:
+                target = workdir / "volumes" / mount["name"]
+                target.mkdir(parents=True, exist_ok=True)
+                cm = json.loads(
+                    self.cluster.kubectl(
+                        "get",
+                        "configmap",
+                        volume["configMap"]["name"],
+                        "-n",
+                        pod["metadata"]["namespace"],
+                        "-o",
+                        "json",
+                    ).stdout
+                )
+                for key, text in (cm.get("data") or {}).items():
+                    (target / key).write_text(text)
+                mounts[mount["mountPath"]] = str(target)
+            elif "hostPath" in volume:
+                if volume["hostPath"]["path"] != mount["mountPath"]:
+                    raise PodSpecError(
+                        f"hostPath {volume['hostPath']['path']} is mounted at {mount['mountPath']}; "
+                        "on the host a hostPath must be mounted at its own path"
+                    )
+            elif "projected" in volume or "emptyDir" in volume:
+                continue  # the ServiceAccount token (handled by KUBECONFIG) and scratch space
+            else:
+                raise PodSpecError(f"volume {mount['name']} has a kind the executor does not support")
+        return mounts
+
+    @staticmethod
+    def _rewrite(arg: str, mounts: dict[str, str]) -> str:
+        for mount_path, host_path in mounts.items():
+            if arg == mount_path or arg.startswith(mount_path.rstrip("/") + "/"):
+                return host_path + arg[len(mount_path.rstrip("/")) :]
+        return arg
+
+    def _environment(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
+        namespace = pod["metadata"]["namespace"]
+        env = {
+            key: value for key, value in os.environ.items() if key in ("PATH", "HOME", "LANG", "TPUFT_CACHE")
+        }
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = str(item["value"])
+                continue
+            source = item.get("valueFrom") or {}
+            if "fieldRef" in source:
+                env[item["name"]] = _field_value(pod, source["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                result = self.cluster.kubectl(
+                    "get",
+                    "secret",
+                    ref["name"],
+                    "-n",
+                    namespace,
+                    "-o",
+                    f"jsonpath={{.data.{ref['key']}}}",
+                    check=False,
+                )
+                if result.returncode == 0 and result.stdout:
+                    import base64
+
+                    env[item["name"]] = base64.b64decode(result.stdout).decode()
+                elif not ref.get("optional"):
+                    raise PodSpecError(f"Secret {ref['name']} key {ref['key']} not found")
+        # The pod's own identity: a bound token of its ServiceAccount, so RBAC is the pod's.
+        kubeconfig = workdir / "kubeconfig"
+        kubeconfig.write_text(
+            self.cluster.service_account_kubeconfig(
+                namespace, pod["spec"].get("serviceAccountName") or "default"
+            )
+        )
+        env["KUBECONFIG"] = str(kubeconfig)
+        chips = (container.get("resources", {}).get("limits") or {}).get(TPU_RESOURCE, "1")
+        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips), HF_HUB_OFFLINE="1")
+        env.update(self.extra_env)
+        return env
+
+    def _report_exit(self, name: str, code: int) -> None:
+        """What a kubelet reports when the container exits."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        pod = json.loads(self.cluster.kubectl("get", "pod", name, "-n", self.namespace, "-o", "json").stdout)
+        statuses = [
+            {
+                "name": c["name"],
+                "image": c["image"],
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "started": False,
+                "state": {
+                    "terminated": {
+                        "exitCode": code,
+                        "reason": "Completed" if code == 0 else "Error",
+                        "startedAt": now,
+                        "finishedAt": now,
+                    }
+                },
+            }
+            for c in pod["spec"]["containers"]
+        ]
+        patch = {
+            "status": {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "containerStatuses": statuses,
+                "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted"}],
+            }
+        }
+        self.cluster.kubectl(
+            "patch",
+            "pod",
+            name,
+            "-n",
+            self.namespace,
+            "--subresource=status",
+            "--type=strategic",
+            "-p",
+            json.dumps(patch),
+        )
+        log.info("pod %s exited with code %d", name, code)
+
+    def logs(self) -> dict[str, Path]:
+        return {name: host.log_path for name, host in self._running.items()}

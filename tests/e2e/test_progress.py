@@ -1,0 +1,137 @@
+"""Progress from a real FSDPv2 run: the pod's `tpuft train` runs on this host (4 PJRT CPU devices for
+a v5e 2x2 host) and rank 0 reports into status.progress with the pod's per-run identity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import unique
+from tests.e2e.conftest import OperatorProcess
+from tests.support import get_json, wait_for
+from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
+from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.demo import build_assets
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
+
+
+def tiny_run(name: str, namespace: str, root: Path, steps: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": f"{root}/model", "dtype": "float32"},
+            "dataset": {"name": f"{root}/data/train.jsonl"},
+            "tpu": {"type": "v5e", "topology": "2x2"},
+            "fsdp": {"gradientCheckpointing": False},
+            "training": {
+                "maxSteps": steps,
+                "learningRate": 1e-3,
+                "perDeviceBatchSize": 2,
+                "maxSeqLength": 32,
+                "optimizer": "adamw",
+            },
+            "output": {"uri": f"{root}/output"},
+            "maxRestarts": 0,
+            "volumes": [{"name": "work", "hostPath": {"path": str(root), "type": "Directory"}}],
+            "volumeMounts": [{"name": "work", "mountPath": str(root)}],
+            "podAnnotations": run_on_host_annotations(),
+        },
+    }
+
+
+def test_progress_from_a_real_training_run_reaches_status(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "work"
+    build_assets(root)
+    local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
+    executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
+    executor.start()
+    try:
+        other = tiny_run("other", namespace, root, steps=8)
+        other["spec"]["suspend"] = True  # exists only to prove one run's identity cannot touch another
+        local_cluster.apply([tiny_run("tiny", namespace, root, steps=8), other])
+        seen_running_progress: list[dict[str, Any]] = []
+
+        def finished() -> dict[str, Any] | None:
+            ft = get_json(local_cluster, "tpuft", "tiny", "-n", namespace)
+            status = ft.get("status", {})
+            if status.get("phase") == "Running" and status.get("progress"):
+                seen_running_progress.append(status["progress"])
+            return ft if status.get("phase") in ("Succeeded", "Failed") else None
+
+        done = wait_for(finished, timeout=420, what="the tiny run to finish", interval=1)
+        logs = "\n".join(p.read_text() for p in (tmp_path / "pods").glob("*.log"))
+        assert done["status"]["phase"] == "Succeeded", logs[-3000:]
+    finally:
+        executor.stop()
+
+    progress = done["status"]["progress"]
+    assert progress["step"] == progress["totalSteps"] == 8
+    assert isinstance(progress["loss"], float) and progress["loss"] > 0
+    assert progress["summary"] == "8/8 (100%)"
+    assert "updateTime" in progress
+    # The status printer column shows it.
+    assert "8/8 (100%)" in local_cluster.kubectl("get", "tpuft", "tiny", "-n", namespace).stdout
+    # Progress arrived while the run was Running (not only at the end) when the run was long enough
+    # to report twice; the last report always arrives.
+    assert all(p["step"] <= 8 for p in seen_running_progress)
+
+    # The trained model is on disk in the standard format.
+    output = root / "output"
+    assert (output / "model.safetensors").exists()
+    assert json.loads((output / "config.json").read_text())["hidden_size"] == 64
+
+    # The pod's identity may patch only its own run's status.
+    config = tmp_path / "progress.kubeconfig"
+    config.write_text(local_cluster.service_account_kubeconfig(namespace, "tiny-progress"))
+    patch = '{"status":{"progress":{"step":1}}}'
+    own = local_cluster.kubectl(
+        "patch",
+        "tpuft",
+        "tiny",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        patch,
+        kubeconfig=config,
+        check=False,
+    )
+    assert own.returncode == 0, own.stderr
+    other = local_cluster.kubectl(
+        "patch",
+        "tpuft",
+        "other",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        patch,
+        kubeconfig=config,
+        check=False,
+    )
+    assert other.returncode != 0 and "forbidden" in other.stderr.lower()
+    spec = local_cluster.kubectl(
+        "patch",
+        "tpuft",
+        "tiny",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"suspend":true}}',
+        kubeconfig=config,
+        check=False,
+    )
+    assert spec.returncode != 0 and "forbidden" in spec.stderr.lower()
+    secrets = local_cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=config, check=False)
+    assert secrets.returncode != 0
