@@ -1,0 +1,222 @@
+"""The phase machine and the reconcile decision: pure functions, tested without a cluster."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from tpuft_operator.reconcile import Decision, decide
+from tpuft_operator.render import render_run
+from tpuft_operator.status import Observed, derive_status, status_patch
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def finetune(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": "run", "namespace": "ns", "uid": "u-1", "generation": 3},
+        "spec": {
+            "model": {"name": "org/model"},
+            "dataset": {"name": "org/data"},
+            "tpu": {"type": "v5p", "topology": "2x2x2"},
+            "training": {"maxSteps": 10},
+            "output": {"uri": "gs://bucket/out"},
+            **spec,
+        },
+        "status": status or {},
+    }
+
+
+def jobset(
+    *, suspend: bool = False, conditions: list[dict[str, Any]] | None = None, restarts: int = 0
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "run"},
+        "spec": {"suspend": suspend},
+        "status": {"conditions": conditions or [], "restarts": restarts},
+    }
+
+
+def pod(name: str, phase: str = "Running", ready: bool = True, **extra: Any) -> dict[str, Any]:
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}, *extra.pop("conditions", [])]
+    return {"metadata": {"name": name}, "status": {"phase": phase, "conditions": conditions, **extra}}
+
+
+def derive(
+    ft: dict[str, Any], js: dict[str, Any] | None, pods: list[dict[str, Any]] = (), **kw: Any
+) -> dict[str, Any]:  # type: ignore[assignment]
+    return derive_status(
+        Observed(
+            finetune=ft,
+            jobset=js,
+            pods=pods,
+            chips=8,
+            hosts=2,
+            accelerator="tpu-v5p-slice",
+            topology="2x2x2",
+            now=NOW,
+            **kw,
+        )
+    )
+
+
+def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_no_jobset_yet_is_pending_creating() -> None:
+    status = derive(finetune(), None)
+    assert status["phase"] == "Pending"
+    assert status["chips"] == 8 and status["hosts"] == 2
+    assert status["observedGeneration"] == 3
+    assert cond(status, "Valid")["status"] == "True"
+
+
+def test_invalid_spec_is_failed_naming_the_field() -> None:
+    status = derive(
+        finetune(), None, spec_error=("spec.fsdp.mesh", "fsdp x tensor = 3 but the slice has 8 chips")
+    )
+    assert status["phase"] == "Failed"
+    assert status["message"] == "spec.fsdp.mesh: fsdp x tensor = 3 but the slice has 8 chips"
+    valid = cond(status, "Valid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert status["completionTime"] == "2026-11-30T12:00:00Z"
+
+
+def test_all_hosts_running_is_running_with_start_time() -> None:
+    status = derive(finetune(), jobset(), [pod("a"), pod("b")])
+    assert status["phase"] == "Running"
+    assert status["startTime"] == "2026-11-30T12:00:00Z"
+    assert "completionTime" not in status
+
+
+def test_a_host_that_already_succeeded_does_not_turn_running_back_to_pending() -> None:
+    assert (
+        derive(finetune(), jobset(), [pod("a"), pod("b", phase="Succeeded", ready=False)])["phase"]
+        == "Running"
+    )
+
+
+def test_some_hosts_not_ready_is_pending() -> None:
+    status = derive(finetune(), jobset(), [pod("a"), pod("b", phase="Pending", ready=False)])
+    assert status["phase"] == "Pending"
+    assert status["message"] == "1/2 TPU hosts running"
+
+
+def test_unschedulable_says_which_node_pool_is_missing() -> None:
+    refused = pod(
+        "a",
+        phase="Pending",
+        ready=False,
+        conditions=[
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}
+        ],
+    )
+    status = derive(finetune(), jobset(), [refused])
+    scheduled = cond(status, "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable")
+    for fragment in ("tpu-v5p-slice", "2x2x2", "0/3 nodes"):
+        assert fragment in scheduled["message"]
+
+
+def test_suspended_and_queued() -> None:
+    assert derive(finetune(suspend=True), jobset(suspend=True))["phase"] == "Suspended"
+    queued = derive(finetune(queueName="q"), jobset(suspend=True))
+    assert queued["phase"] == "Queued" and "q" in queued["message"]
+
+
+def test_completed_jobset_is_succeeded() -> None:
+    done = derive(
+        finetune({"phase": "Running", "startTime": "2026-11-30T11:00:00Z"}),
+        jobset(conditions=[{"type": "Completed", "status": "True"}]),
+    )
+    assert done["phase"] == "Succeeded"
+    assert done["startTime"] == "2026-11-30T11:00:00Z"
+    assert done["completionTime"] == "2026-11-30T12:00:00Z"
+
+
+def test_user_error_exit_code_is_reported_as_such() -> None:
+    failed_pod = pod(
+        "host-0",
+        phase="Failed",
+        ready=False,
+        containerStatuses=[{"state": {"terminated": {"exitCode": 66}}}],
+    )
+    status = derive(
+        finetune(),
+        jobset(conditions=[{"type": "Failed", "status": "True", "reason": "FailedJobs"}]),
+        [failed_pod],
+    )
+    assert status["phase"] == "Failed"
+    assert cond(status, "Failed")["reason"] == "UserError"
+    assert "exit code 66 (NOT_FOUND) on pod host-0" in status["message"]
+
+
+def test_exhausted_restarts_report_the_count() -> None:
+    js = jobset(
+        conditions=[{"type": "Failed", "status": "True", "reason": "MaxRestarts", "message": "too many"}],
+        restarts=3,
+    )
+    status = derive(finetune(), js)
+    assert status["phase"] == "Failed" and status["restarts"] == 3
+    assert "after 3 restart(s)" in status["message"]
+
+
+def test_terminal_phase_survives_a_deleted_jobset() -> None:
+    ft = finetune(
+        {"phase": "Succeeded", "jobSetName": "run", "message": "training finished", "completionTime": "x"}
+    )
+    status = derive(ft, None)
+    assert status["phase"] == "Succeeded" and status["completionTime"] == "x"
+
+
+def test_condition_transition_time_moves_only_when_status_changes() -> None:
+    first = derive(finetune(), jobset(), [pod("a"), pod("b")])
+    later = derive_status(
+        Observed(
+            finetune=finetune(first),
+            jobset=jobset(),
+            pods=[pod("a"), pod("b")],
+            hosts=2,
+            now=NOW + timedelta(hours=1),
+        )
+    )
+    assert cond(later, "Running")["lastTransitionTime"] == cond(first, "Running")["lastTransitionTime"]
+    assert status_patch(first, later) is None  # nothing to write: no status churn, no API call
+
+
+def test_status_patch_contains_only_what_changed() -> None:
+    assert status_patch({"phase": "Pending", "chips": 8}, {"phase": "Running", "chips": 8}) == {
+        "phase": "Running"
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "spec", "observed", "expected"),
+    [
+        ({}, {}, None, Decision(create=True)),
+        ({"jobSetName": "run", "phase": "Running"}, {}, None, Decision(create=True, recreated=True)),
+        ({"jobSetName": "run", "phase": "Succeeded"}, {}, None, Decision()),
+        ({"phase": "Failed"}, {}, None, Decision()),
+        ({"phase": "Running"}, {"suspend": True}, jobset(), Decision(set_suspend=True)),
+        ({"phase": "Suspended"}, {"suspend": False}, jobset(suspend=True), Decision(set_suspend=False)),
+        ({"phase": "Queued"}, {"queueName": "q"}, jobset(suspend=True), Decision()),  # Kueue's call
+        ({"phase": "Running"}, {}, jobset(), Decision()),
+    ],
+)
+def test_decide(
+    status: dict[str, Any], spec: dict[str, Any], observed: dict[str, Any] | None, expected: Decision
+) -> None:
+    ft = finetune(status, **spec)
+    assert (
+        decide(ft, render_run({k: ft[k] for k in ("apiVersion", "kind", "metadata", "spec")}), observed)
+        == expected
+    )
+
+
+def test_decide_does_nothing_for_an_invalid_spec() -> None:
+    assert decide(finetune(), None, None) == Decision()
