@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tpuft_operator import topology
 from tpuft_operator.cluster import build, kwok, versions
-from tpuft_operator.cluster.components import Layout, jobset_configuration, specs
+from tpuft_operator.cluster.components import PORT_NAMES, Layout, jobset_configuration, specs
 from tpuft_operator.cluster.local import webhook_configurations
 
 
@@ -42,21 +42,7 @@ def test_binaries_are_cached_by_version(tmp_path: Path) -> None:
 
 
 def test_every_component_listens_on_loopback_only(tmp_path: Path) -> None:
-    ports = {
-        name: 20000 + i
-        for i, name in enumerate(
-            (
-                "etcd",
-                "etcd-peer",
-                "kube-apiserver",
-                "kube-controller-manager",
-                "kube-scheduler",
-                "jobset-webhook",
-                "jobset-health",
-                "kwok",
-            )
-        )
-    }
+    ports = {name: 20000 + i for i, name in enumerate(PORT_NAMES)}
     layout = Layout(tmp_path)
     for component in specs(layout, build.binaries(tmp_path), ports):
         assert "127.0.0.1" in component.health_url
