@@ -4,6 +4,9 @@
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 export TPUFT_CACHE ?= $(HOME)/.cache/tpuft
+# The cached venv is shared by every checkout on the machine and its editable install points at the
+# last one set up; this checkout's own sources come first for everything make runs.
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer_image$(if $(PYTHONPATH),:$(PYTHONPATH))
 VENV_SCRIPT := scripts/venv.sh
 PY = "$$($(VENV_SCRIPT) | tail -n1)/bin/python"
 TPUFT = "$$($(VENV_SCRIPT) | tail -n1)/bin/tpuft"

@@ -11,6 +11,10 @@ cache=${TPUFT_CACHE:-$HOME/.cache/tpuft}
 key=$(cat "$here"/requirements/*.txt <("$python" -VV) | sha256sum | cut -c1-12)
 venv="$cache/venvs/py311-$key"
 if [[ "${1:-}" == "--path" ]]; then echo "$venv"; exit 0; fi
+mkdir -p "$cache/venvs"
+# One builder at a time per venv: a second make (another clone, a parallel job) waits here.
+exec 9>"$venv.lock"
+flock 9
 if [[ ! -f "$venv/.complete" ]]; then
   echo ">> creating $venv (first run installs torch + torch_xla, ~4 GB; later runs reuse it)" >&2
   rm -rf "$venv"
@@ -22,4 +26,5 @@ if [[ ! -f "$venv/.complete" ]]; then
 fi
 # Cheap on every run: points the venv at this checkout (CI clones elsewhere).
 "$venv/bin/pip" install --quiet --no-deps --no-build-isolation -e "$here" >&2
+flock -u 9
 echo "$venv"
