@@ -207,7 +207,7 @@ class LocalExecutor:
     def _environment(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
         namespace = pod["metadata"]["namespace"]
         env = {
-            key: value for key, value in os.environ.items() if key in ("PATH", "HOME", "LANG", "TPUFT_CACHE")
+            key: value for key, value in os.environ.items() if key in ("PATH", "HOME", "LANG", "PYTHONPATH", "TPUFT_CACHE")
         }
         for item in container.get("env") or []:
             if "value" in item:
