@@ -135,3 +135,43 @@ def test_progress_from_a_real_training_run_reaches_status(
     assert spec.returncode != 0 and "forbidden" in spec.stderr.lower()
     secrets = local_cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=config, check=False)
     assert secrets.returncode != 0
+
+
+def test_a_killed_host_restarts_the_run_which_resumes_from_its_last_checkpoint(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "work"
+    build_assets(root)
+    local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
+    body = tiny_run("resumable", namespace, root, steps=40)
+    body["spec"]["training"]["saveSteps"] = 5
+    body["spec"]["maxRestarts"] = 2
+    executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
+    executor.start()
+    try:
+        local_cluster.apply([body])
+
+        def past_first_checkpoint() -> bool:
+            status = get_json(local_cluster, "tpuft", "resumable", "-n", namespace).get("status", {})
+            step = (status.get("progress") or {}).get("step", 0)
+            return 6 <= step < 40 and (root / "output" / "checkpoint-5").exists()
+
+        wait_for(past_first_checkpoint, timeout=300, what="training past its first checkpoint", interval=0.3)
+        assert executor.kill_all(), "no trainer process was running"  # SIGKILL: exit code 137
+
+        def finished() -> dict[str, Any] | None:
+            ft = get_json(local_cluster, "tpuft", "resumable", "-n", namespace)
+            return ft if ft.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
+
+        done = wait_for(finished, timeout=420, what="the restarted run to finish", interval=1)
+        logs = "\n".join(p.read_text() for p in (tmp_path / "pods").glob("*.log"))
+        assert done["status"]["phase"] == "Succeeded", logs[-3000:]
+    finally:
+        executor.stop()
+
+    assert done["status"]["restarts"] == 1
+    assert done["status"]["progress"]["step"] == 40
+    record = json.loads((root / "output" / "tpuft-metrics.json").read_text())
+    assert record["resumed_from"] is not None and record["resumed_from"].startswith("checkpoint-")
+    assert int(record["resumed_from"].split("-")[1]) >= 5
+    assert "resuming from" in logs

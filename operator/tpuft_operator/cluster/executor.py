@@ -207,7 +207,9 @@ class LocalExecutor:
     def _environment(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
         namespace = pod["metadata"]["namespace"]
         env = {
-            key: value for key, value in os.environ.items() if key in ("PATH", "HOME", "LANG", "PYTHONPATH", "TPUFT_CACHE")
+            key: value
+            for key, value in os.environ.items()
+            if key in ("PATH", "HOME", "LANG", "PYTHONPATH", "TPUFT_CACHE")
         }
         for item in container.get("env") or []:
             if "value" in item:
@@ -289,6 +291,15 @@ class LocalExecutor:
             json.dumps(patch),
         )
         log.info("pod %s exited with code %d", name, code)
+
+    def kill_all(self) -> list[str]:
+        """SIGKILLs every running pod process (a preempted host); returns the pods hit."""
+        hit = []
+        for name, host in self._running.items():
+            if host.process.poll() is None:
+                host.process.kill()
+                hit.append(name)
+        return hit
 
     def logs(self) -> dict[str, Path]:
         return {name: host.log_path for name, host in self._running.items()}
