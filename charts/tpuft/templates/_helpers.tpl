@@ -18,43 +18,76 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{- define "tpuft.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if hasPrefix "@" $tag -}}
+{{- printf "%s%s" .Values.image.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Checks the schema cannot express; each fails the install with what to change. */}}
+{{- define "tpuft.validate" -}}
+{{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
+{{- fail (printf "metrics.port and health.port must differ (both are %v)" .Values.metrics.port) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "tpuft.selectorLabels" -}}
 app.kubernetes.io/name: tpuft-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{/* The operator's permissions: exactly the verbs and resources it uses, each justified. */}}
+{{/* The operator's permissions: exactly the verbs and resources it uses, each justified. The same
+rules form the ClusterRole (all namespaces) or one Role per watched namespace. */}}
 {{- define "tpuft.rules" -}}
-# Watch TPUFineTunes (kopf's watch and in-memory index). The operator never writes spec.
+# Watch TPUFineTunes: kopf lists and watches them into its in-memory index (nothing else reads
+# them). No get/update/patch/delete: the operator never writes spec, metadata or finalizers.
 - apiGroups: ["tpuft.dev"]
   resources: ["tpufinetunes"]
-  verbs: ["get", "list", "watch"]
-# Write the status it derives. Holding get+patch here is also what lets it grant the per-run
-# progress Role (RBAC forbids granting what one does not hold; no escalate/bind verbs needed).
+  verbs: ["list", "watch"]
+# Write the status it derives (merge patch of status only). get is held too because the per-run
+# progress Role grants get+patch on this subresource, and RBAC lets a subject create a Role only
+# with permissions it holds itself: this is what avoids the escalate and bind verbs.
 - apiGroups: ["tpuft.dev"]
   resources: ["tpufinetunes/status"]
   verbs: ["get", "patch"]
-# Create the run's JobSet, watch it for status, and suspend/resume it with a merge patch.
+# The run's JobSet: create it; get it to adopt one an earlier attempt made (409 on create); list and
+# watch it for status; patch spec.suspend to suspend and resume. Never deletes: the garbage
+# collector does, through the owner reference.
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Watch the run's pods to tell Pending (and why) from Running. Never creates pods.
+# Watch the run's pods (by label) to tell Pending, and why, from Running. Never creates, reads the
+# logs of, or deletes pods: the JobSet and Job controllers do that.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
-# The trainer configuration (create; get to adopt after a restart).
+# The trainer configuration of each run: create; get to adopt after a restart.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create"]
-# The per-run progress identity: ServiceAccount, Role, RoleBinding (create; get to adopt).
+# The per-run progress identity (ServiceAccount, Role limited to the run's status, RoleBinding):
+# create; get to adopt after a restart. No update, delete, escalate or bind.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create"]
-# Kubernetes Events on TPUFineTunes for every phase transition.
-- apiGroups: ["", "events.k8s.io"]
+# Kubernetes Events on TPUFineTunes for phase transitions (kopf posts core/v1 Events; it never
+# patches or aggregates them).
+- apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
+{{- end -}}
+
+{{/* Cluster-scoped reads, only in the ClusterRole (all-namespaces mode). */}}
+{{- define "tpuft.clusterRules" -}}
+# kopf watches CRDs to notice API changes while it runs, e.g. JobSet installed after the operator
+# (without this it logs a warning and only sees what existed at start-up). Reads only.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
 {{- end -}}
