@@ -511,8 +511,18 @@ def test_watch_namespaces_grants_rights_only_there_and_the_operator_runs_on_them
         assert done
         assert "status" not in get_json(local_cluster, "tpuft", "ft", "-n", other)
         assert not get_json(local_cluster, "jobsets", "-n", other)["items"]
-        log = operator.log_path.read_text(errors="replace")
-        assert "403" not in log and "forbidden" not in log.lower(), operator.log_tail()
+        # Every API call it needed in the namespace was allowed. The only denials are kopf's
+        # optional cluster-scoped scans (namespaces, CRDs), which it does without.
+        denied = [
+            line for line in operator.log_path.read_text(errors="replace").splitlines() if "403" in line
+        ]
+        unexpected = [
+            line
+            for line in denied
+            if not re.search(r'cannot list resource "(namespaces|customresourcedefinitions)"', line)
+            or "at the cluster scope" not in line
+        ]
+        assert not unexpected, "\n".join(unexpected)
     finally:
         if operator is not None:
             operator.stop()
