@@ -61,6 +61,10 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     kopf_settings.persistence.finalizer = "tpuft.dev/unused-finalizer"
     kopf_settings.execution.max_workers = 8
     kopf_settings.peering.standalone = True
+    if settings.namespaces:
+        # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
+        # chart's namespaced Roles rightly deny, and retry for minutes before watching anything.
+        kopf_settings.scanning.disabled = True
 
 
 def build_memo(settings: OperatorSettings) -> kopf.Memo:
