@@ -18,7 +18,7 @@ from typing import Any
 
 from tpuft_operator import metrics
 from tpuft_operator.api.validation import SpecError
-from tpuft_operator.k8s import Api
+from tpuft_operator.k8s import Api, ApiError
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, status_patch
 
@@ -146,29 +146,38 @@ class Reconciler:
 
         decision = decide(finetune, rendered, jobset)
         if decision.create and rendered is not None:
-            for obj in rendered.objects:
-                live, created = self.api.create_or_adopt(obj)
-                if obj["kind"] == "JobSet":
-                    jobset = live
-                    if created and decision.recreated:
-                        log.warning(
-                            "JobSet %s was deleted while the run was active; recreated it",
-                            rendered.jobset_name,
-                        )
-                        event(
-                            "Warning",
-                            "JobSetRecreated",
-                            f"JobSet {rendered.jobset_name} was deleted while the run was active; recreated it",
-                        )
-                    elif created:
-                        log.info("created JobSet %s", rendered.jobset_name)
-                        event(
-                            "Normal",
-                            "JobSetCreated",
-                            f"created JobSet {rendered.jobset_name} ({rendered.shape.hosts} TPU hosts, {rendered.shape.chips} chips)",
-                        )
-                    else:
-                        log.info("adopted existing JobSet %s", rendered.jobset_name)
+            try:
+                for obj in rendered.objects:
+                    live, created = self.api.create_or_adopt(obj)
+                    if obj["kind"] == "JobSet":
+                        jobset = live
+                        if created and decision.recreated:
+                            log.warning(
+                                "JobSet %s was deleted while the run was active; recreated it",
+                                rendered.jobset_name,
+                            )
+                            event(
+                                "Warning",
+                                "JobSetRecreated",
+                                f"JobSet {rendered.jobset_name} was deleted while the run was active; recreated it",
+                            )
+                        elif created:
+                            log.info("created JobSet %s", rendered.jobset_name)
+                            event(
+                                "Normal",
+                                "JobSetCreated",
+                                f"created JobSet {rendered.jobset_name} ({rendered.shape.hosts} TPU hosts, {rendered.shape.chips} chips)",
+                            )
+                        else:
+                            log.info("adopted existing JobSet %s", rendered.jobset_name)
+            except ApiError as error:
+                if error.status not in (400, 422):
+                    raise
+                # The apiserver refused an object rendered from a spec that passed our validation
+                # (a pod rule we do not check): no retry can fix it, so the run fails saying why.
+                log.warning("the spec renders to an object the apiserver refuses: %s", error)
+                spec_error = ("spec", f"the apiserver refused an object rendered from this spec: {error}")
+                rendered = None
         if decision.set_suspend is not None and jobset is not None:
             self.api.patch_jobset_suspend(namespace, jobset["metadata"]["name"], decision.set_suspend)
             verb = "suspended" if decision.set_suspend else "resumed"

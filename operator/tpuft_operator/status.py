@@ -112,8 +112,9 @@ def _derive_phase(obs: Observed) -> _Derived:
     valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
     if previous_phase in TERMINAL_PHASES and obs.jobset is None:
         # Finished runs stay finished even when their JobSet is gone (deleted by someone, or GC).
+        # Their conditions stay as they were (a Valid=False set when the apiserver refused the JobSet).
         status = obs.finetune.get("status") or {}
-        return _Derived(previous_phase, "Finished", status.get("message") or "", valid)
+        return _Derived(previous_phase, "Finished", status.get("message") or "", {})
     jobset = obs.jobset
     if jobset is None:
         if (obs.finetune.get("status") or {}).get("jobSetName"):

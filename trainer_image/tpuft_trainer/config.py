@@ -12,7 +12,20 @@ from typing import Final, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tpuft_trainer.errors import ConfigError
+
 CONFIG_VERSION: Final = "tpuft.dev/trainer-config/v1"
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: the operator never writes them, and a "billion laughs"
+    document of nested aliases is tiny to load but makes any error message that prints it explode."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed", mark)
+        return super().compose_node(parent, index)
 
 
 class _Strict(BaseModel):
@@ -122,7 +135,14 @@ class TrainerConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, text: str) -> TrainerConfig:
-        return cls.model_validate(yaml.safe_load(text))
+        """Raises pydantic's ValidationError (valid YAML, wrong content) or ConfigError (not YAML)."""
+        try:
+            data = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader
+        except Exception as error:
+            # Not only YAMLError: RecursionError (nesting deeper than the stack), ValueError (an integer
+            # too long to convert), IndexError/AttributeError (PyYAML on `!!float ''`, `!!timestamp ''`).
+            raise ConfigError(f"not a valid YAML document: {str(error)[:500]}") from None
+        return cls.model_validate(data)
 
     @classmethod
     def load(cls, path: str | Path) -> TrainerConfig:

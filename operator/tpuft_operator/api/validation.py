@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from pydantic import ValidationError
 
-from tpuft_operator.api.models import TPUFineTune, TPUFineTuneSpec
+from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import TPU_RESOURCE, TopologyError, resolve
 
 GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
@@ -37,6 +38,36 @@ RESERVED_ENV = frozenset(
 )
 # Names the renderer uses for its own volume.
 RESERVED_VOLUMES = frozenset({"tpuft-config"})
+
+# What core/v1 pod validation checks in the parts of the pod a spec fills in, and the CRD cannot: a
+# JobSet with such a pod template is accepted, but its Jobs are refused and the run never starts.
+QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+VOLUME_SOURCES = frozenset(
+    {
+        "awsElasticBlockStore", "azureDisk", "azureFile", "cephfs", "cinder", "configMap", "csi",
+        "downwardAPI", "emptyDir", "ephemeral", "fc", "flexVolume", "flocker", "gcePersistentDisk",
+        "gitRepo", "glusterfs", "hostPath", "image", "iscsi", "nfs", "persistentVolumeClaim",
+        "photonPersistentDisk", "portworxVolume", "projected", "quobyte", "rbd", "scaleIO", "secret",
+        "storageos", "vsphereVolume",
+    }
+)  # fmt: skip
+STANDARD_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage"})
+FIELD_PATHS = frozenset(
+    {
+        "metadata.name", "metadata.namespace", "metadata.uid", "metadata.labels", "metadata.annotations",
+        "spec.nodeName", "spec.serviceAccountName", "status.hostIP", "status.hostIPs", "status.podIP",
+        "status.podIPs",
+    }
+)  # fmt: skip
+FIELD_PATH_KEY = re.compile(r"^metadata\.(labels|annotations)\['[^']+'\]$")
+_QUANTITY_SUFFIX: dict[str, Decimal | int] = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
 
 
 @dataclass(frozen=True)
@@ -96,12 +127,19 @@ def _pydantic_errors(error: ValidationError) -> list[FieldError]:
 
 
 def parse(obj: dict[str, Any]) -> TPUFineTune:
-    """A validated TPUFineTune from a dict, or `SpecError` listing every problem."""
+    """A validated TPUFineTune from a dict, or `SpecError` listing every problem.
+
+    Strict types, as the apiserver's schema: "yes" is not a boolean, "3" not an integer. The status
+    (timestamps as strings) is not needed to render and is left out."""
     try:
-        ft = TPUFineTune.model_validate(obj)
+        ft = TPUFineTune.model_validate({k: v for k, v in obj.items() if k != "status"}, strict=True)
     except ValidationError as error:
         raise SpecError.of(_pydantic_errors(error)) from None
-    errors = validate(ft.spec)
+    errors = []
+    name = ft.metadata.name
+    if len(name) > 253 or not re.match(DNS_SUBDOMAIN, name):
+        errors.append(FieldError("metadata.name", f"{name!r} is not a lowercase RFC 1123 subdomain"))
+    errors += validate(ft.spec)
     if errors:
         raise SpecError.of(errors)
     return ft
@@ -193,6 +231,7 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
             )
         if volume_names.count(name) > 1:
             errors.append(FieldError(f"spec.volumes[{i}].name", f"duplicate volume name {name!r}"))
+    errors += _pod_template_errors(spec)
     for i, mount in enumerate(spec.volume_mounts or []):
         if mount.name not in volume_names:
             errors.append(
@@ -202,4 +241,100 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
             errors.append(
                 FieldError(f"spec.volumeMounts[{i}].mountPath", "/etc/tpuft holds the trainer config")
             )
+    return errors
+
+
+def _quantity(value: int | str) -> Decimal | None:
+    match = _QUANTITY.match(str(value))
+    if match is None:
+        return None
+    number, suffix = match.group(1), match.group(2) or ""
+    try:
+        if suffix[:1] in ("e", "E"):
+            return Decimal(number + suffix)
+        return Decimal(number) * Decimal(_QUANTITY_SUFFIX[suffix])
+    except (InvalidOperation, KeyError):
+        return None
+
+
+def _pod_template_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
+    """The pod rules the apiserver applies only when the JobSet controller creates the Jobs: caught
+    here, the run fails with the field named instead of waiting forever for pods that never come."""
+    errors: list[FieldError] = []
+    for key in spec.pod_annotations or {}:
+        if not QUALIFIED_NAME.match(key):
+            errors.append(FieldError("spec.podAnnotations", f"{key!r} is not a valid annotation key"))
+    for i, t in enumerate(spec.tolerations or []):
+        where = f"spec.tolerations[{i}]"
+        if t.key and not QUALIFIED_NAME.match(t.key):
+            errors.append(FieldError(f"{where}.key", f"{t.key!r} is not a valid taint key"))
+        if not t.key and t.operator != "Exists":
+            errors.append(FieldError(f"{where}.operator", "must be Exists when key is empty"))
+        if t.operator == "Exists" and t.value:
+            errors.append(FieldError(f"{where}.value", "must be empty when operator is Exists"))
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            errors.append(FieldError(f"{where}.tolerationSeconds", "applies only with effect NoExecute"))
+    for i, volume in enumerate(spec.volumes or []):
+        where = f"spec.volumes[{i}]"
+        name = str(volume.get("name", ""))
+        if not re.match(DNS_LABEL, name):
+            errors.append(FieldError(f"{where}.name", f"{name!r} is not a lowercase RFC 1123 label"))
+        unknown = sorted(set(volume) - VOLUME_SOURCES - {"name"})
+        if unknown:
+            errors.append(FieldError(where, f"unknown field(s) {', '.join(unknown)} in a core/v1 Volume"))
+        sources = sorted(set(volume) & VOLUME_SOURCES)
+        if len(sources) > 1:
+            errors.append(
+                FieldError(where, f"a volume has one source, not {len(sources)}: {', '.join(sources)}")
+            )
+    if spec.resources is not None:
+        requests, limits = spec.resources.requests or {}, spec.resources.limits or {}
+        for kind, values in (("requests", requests), ("limits", limits)):
+            for name in values:
+                prefixed = "/" in name
+                if not QUALIFIED_NAME.match(name) or not (
+                    prefixed or name in STANDARD_RESOURCES or name.startswith("hugepages-")
+                ):
+                    errors.append(
+                        FieldError(
+                            f"spec.resources.{kind}", f"{name!r} is not a standard or qualified resource name"
+                        )
+                    )
+        for name, request in requests.items():
+            if name in limits:
+                low, high = _quantity(request), _quantity(limits[name])
+                if low is not None and high is not None and low > high:
+                    errors.append(
+                        FieldError(
+                            f"spec.resources.requests.{name}",
+                            f"{request} is more than the limit {limits[name]}",
+                        )
+                    )
+    for i, env in enumerate(spec.env or []):
+        source = env.value_from
+        if source is None:
+            continue
+        chosen = [s for s in (source.secret_key_ref, source.config_map_key_ref, source.field_ref) if s]
+        if len(chosen) != 1:
+            errors.append(
+                FieldError(
+                    f"spec.env[{i}].valueFrom", "set exactly one of secretKeyRef, configMapKeyRef, fieldRef"
+                )
+            )
+        ref = source.field_ref
+        if ref is not None:
+            path = ref.field_path
+            if path not in FIELD_PATHS and not FIELD_PATH_KEY.match(path):
+                errors.append(
+                    FieldError(f"spec.env[{i}].valueFrom.fieldRef.fieldPath", f"{path!r} is not a pod field")
+                )
+    paths: set[str] = set()
+    for i, mount in enumerate(spec.volume_mounts or []):
+        where = f"spec.volumeMounts[{i}]"
+        sub = mount.sub_path
+        if sub and (sub.startswith("/") or ".." in sub.split("/")):
+            errors.append(FieldError(f"{where}.subPath", "must be a relative path without '..'"))
+        if mount.mount_path in paths:
+            errors.append(FieldError(f"{where}.mountPath", f"{mount.mount_path} is mounted twice"))
+        paths.add(mount.mount_path)
     return errors
