@@ -82,6 +82,28 @@ class Layout:
     def state(self) -> Path:
         return self.root / "state.json"
 
+    @property
+    def audit_policy(self) -> Path:
+        """Opt-in: when this file exists at start-up, the apiserver writes an audit log with it."""
+        return self.root / "audit-policy.yaml"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.logs / "audit.log"
+
+
+def _audit_flags(layout: Layout) -> list[str]:
+    """Off unless the cluster directory holds an audit policy (the operator benchmark writes one to
+    count the operator's API requests); it is read when the apiserver starts."""
+    if not layout.audit_policy.exists():
+        return []
+    return [
+        f"--audit-policy-file={layout.audit_policy}",
+        f"--audit-log-path={layout.audit_log}",
+        "--audit-log-format=json",
+        "--audit-log-maxsize=0",  # one file, never rotated: the reader keeps an offset into it
+    ]
+
 
 def specs(layout: Layout, bins: Binaries, ports: dict[str, int]) -> list[Component]:
     pki = layout.pki
@@ -131,6 +153,7 @@ def specs(layout: Layout, bins: Binaries, ports: dict[str, int]) -> list[Compone
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
                 "--v=1",
+                *_audit_flags(layout),
             ],
             health_url=f"{apiserver_url}/readyz",
         ),

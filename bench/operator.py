@@ -1,0 +1,632 @@
+"""The operator at scale, side by side with the limit, on the local cluster (`LocalCluster("bench")`).
+
+For each N (100, 300, 1000 by default), on a fresh cluster each time (so one N's finished runs
+cannot weigh on the next: deleting them is slow here, and a cluster comes up in ~15 s):
+
+1. *operator*: a fresh `tpuft operator` process (as the chart's ServiceAccount, with the chart's
+   RBAC, watching all namespaces as the chart does by default) and N TPUFineTunes created by a client
+   as fast as it can (16 threads); then it waits for every run to be `Succeeded`.
+2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
+   the same specs, created the same way. Their ServiceAccounts and ConfigMaps are created first,
+   untimed, so their pods start exactly as the operator's do.
+
+Latencies are taken at the client with one clock: from the moment a thread sends the create request
+(of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
+moment the watch sees the JobSet `Completed` to the moment it sees the TPUFineTune `Succeeded`.
+The operator's API requests come from the apiserver's audit log (opt-in for this cluster: see
+`components.Layout.audit_policy`), filtered to the operator's user; 409/429/5xx of the whole
+cluster come from the apiserver's `apiserver_request_total`. Peak RSS (VmHWM) and CPU seconds
+(utime+stime) are read from /proc for the operator's process.
+
+Capacity: one v5e 2x2 host (4 chips, one pod) per run, `POOLS` single-host node pools. N=100 and
+N=300 are all placed at once; at N=1000 the runs flow through the pools as kwok completes pods
+(1-5 s each), so later runs wait unschedulable for a while: creation latency is measured for all
+runs regardless, and the per-run write count separates status patches made while waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.cluster.operator_process import (
+    OPERATOR_NAMESPACE,
+    SERVICE_ACCOUNT,
+    OperatorProcess,
+    install_operator,
+)
+from tpuft_operator.render import RenderSettings, render_run
+from tpuft_operator.render.jobset import FINETUNE_LABEL
+
+RESULTS = Path(__file__).parent / "results" / "operator.json"
+CLUSTER = "bench"
+POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
+SIZES = (100, 300, 1000)
+THREADS = 16
+TRAINER_IMAGE = "example.invalid/tpuft-trainer:bench"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{SERVICE_ACCOUNT}"
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+FINETUNE = ("tpuft.dev", "v1alpha1", "tpufinetunes")
+WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+RUN_NAME = re.compile(r"^(r-\d{4})")
+
+# Only the operator's requests are logged; its status patches with their bodies (to see the phase).
+AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+- level: Request
+  users: ["{OPERATOR_USER}"]
+  verbs: [patch]
+  resources: [{{group: tpuft.dev, resources: [tpufinetunes/status]}}]
+- level: Metadata
+  users: ["{OPERATOR_USER}"]
+- level: None
+"""
+
+
+def finetune(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.2-1B"},
+            "dataset": {"name": "gs://example-bucket/data/train.jsonl"},
+            "tpu": {"type": "v5e", "topology": "2x2"},
+            "training": {"maxSteps": 10},
+            "output": {"uri": "gs://example-bucket/out"},
+        },
+    }
+
+
+def names(n: int) -> list[str]:
+    return [f"r-{i:04d}" for i in range(n)]
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "max": None, "count": 0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+
+    return {
+        "p50": round(statistics.median(ordered), 4),
+        "p95": at(0.95),
+        "p99": at(0.99),
+        "max": round(ordered[-1], 4),
+        "count": len(ordered),
+    }
+
+
+# --------------------------------------------------------------------------- clients and watches
+def api_client(kubeconfig: Path) -> client.ApiClient:
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+    configuration.connection_pool_maxsize = THREADS * 2
+    return client.ApiClient(configuration)
+
+
+class Watcher(threading.Thread):
+    """Watches one kind in one namespace and hands each event, with its arrival time, to a callback."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        gvp: tuple[str, str, str],
+        namespace: str,
+        on_event: Callable[[str, dict[str, Any], float], None],
+    ) -> None:
+        super().__init__(daemon=True)
+        self.custom = client.CustomObjectsApi(api)
+        self.gvp, self.namespace, self.on_event = gvp, namespace, on_event
+        self.stopped = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        group, version, plural = self.gvp
+        resource_version = ""
+        while not self.stopped.is_set():
+            if not resource_version:
+                listed = cast(
+                    dict[str, Any],
+                    self.custom.list_namespaced_custom_object(group, version, self.namespace, plural),
+                )
+                now = time.monotonic()
+                for item in listed["items"]:
+                    self.on_event("ADDED", item, now)
+                resource_version = listed["metadata"]["resourceVersion"]
+                self.ready.set()
+            try:
+                for event in watch.Watch().stream(
+                    self.custom.list_namespaced_custom_object,
+                    group,
+                    version,
+                    self.namespace,
+                    plural,
+                    resource_version=resource_version,
+                    timeout_seconds=5,
+                ):
+                    obj = event["object"]
+                    resource_version = obj["metadata"]["resourceVersion"]
+                    self.on_event(event["type"], obj, time.monotonic())
+                    if self.stopped.is_set():
+                        return
+            except ApiException as error:
+                if error.status != 410:
+                    raise
+                resource_version = ""  # expired: list again
+
+
+def _true(obj: dict[str, Any], type_: str) -> bool:
+    return any(
+        c.get("type") == type_ and c.get("status") == "True"
+        for c in (obj.get("status") or {}).get("conditions") or []
+    )
+
+
+@dataclass
+class Observations:
+    """First-seen times (time.monotonic) per run, filled by the watch threads."""
+
+    jobset_seen: dict[str, float] = field(default_factory=dict)
+    jobset_completed: dict[str, float] = field(default_factory=dict)
+    running: dict[str, float] = field(default_factory=dict)
+    succeeded: dict[str, float] = field(default_factory=dict)
+
+    def jobset_event(self, type_: str, obj: dict[str, Any], at: float) -> None:
+        if type_ == "DELETED":
+            return
+        run = obj["metadata"].get("labels", {}).get(FINETUNE_LABEL, obj["metadata"]["name"])
+        self.jobset_seen.setdefault(run, at)
+        if _true(obj, "Completed"):
+            self.jobset_completed.setdefault(run, at)
+
+    def finetune_event(self, type_: str, obj: dict[str, Any], at: float) -> None:
+        phase = (obj.get("status") or {}).get("phase")
+        name = obj["metadata"]["name"]
+        if phase == "Running":
+            self.running.setdefault(name, at)
+        elif phase == "Succeeded":
+            self.succeeded.setdefault(name, at)
+
+
+def create_all(
+    items: Sequence[tuple[str, Callable[[], Any]]], sent: dict[str, float], errors: Counter[int]
+) -> None:
+    """Runs every create on THREADS threads, as fast as they go; records when each was sent."""
+
+    def one(item: tuple[str, Callable[[], Any]]) -> None:
+        name, create = item
+        for _ in range(5):
+            sent.setdefault(name, time.monotonic())
+            try:
+                create()
+                return
+            except ApiException as error:
+                errors[int(error.status or 0)] += 1
+                if error.status == 409:
+                    return
+                time.sleep(0.2)
+        raise RuntimeError(f"could not create {name}")
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(one, items))
+
+
+def wait_until(what: str, done: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        time.sleep(0.05)
+    print(f"   ! timed out after {timeout:.0f}s waiting for {what}")
+    return False
+
+
+# --------------------------------------------------------------------------- measurements
+def proc_usage(pid: int) -> dict[str, float]:
+    """Peak and current RSS (MB) and CPU seconds (user+system) of a process, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    kb = {
+        key: int(value.split()[0])
+        for key, value in re.findall(r"^(VmHWM|VmRSS):\s+(.*)$", status, re.MULTILINE)
+    }
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {
+        "peak_rss_mb": round(kb["VmHWM"] / 1024, 1),
+        "rss_mb": round(kb["VmRSS"] / 1024, 1),
+        "cpu_seconds": round((int(fields[11]) + int(fields[12])) / ticks, 2),
+    }
+
+
+def apiserver_codes(cluster: LocalCluster) -> Counter[str]:
+    """apiserver_request_total summed by response code (the whole cluster, every client)."""
+    url = f"{cluster.server}/metrics"
+    with urllib.request.urlopen(url, timeout=30, context=cluster._ssl_context(url)) as response:
+        text = response.read().decode()
+    codes: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            match = re.search(r'code="(\d+)"', line)
+            if match:
+                codes[match.group(1)] += int(float(line.rsplit(" ", 1)[1]))
+    return codes
+
+
+def storm_codes(before: Counter[str], after: Counter[str]) -> dict[str, int]:
+    delta = {code: after[code] - before.get(code, 0) for code in after}
+    return {
+        "409": delta.get("409", 0),
+        "429": delta.get("429", 0),
+        "5xx": sum(v for code, v in delta.items() if code.startswith("5")),
+    }
+
+
+def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
+    """The operator's requests since ``offset`` of the audit log: by verb and resource, by response
+    code, and per run the writes it took to reach Running (or Succeeded, if it never saw Running)."""
+    by_kind: Counter[str] = Counter()
+    codes: Counter[str] = Counter()
+    per_run: dict[str, list[tuple[str, str, str | None]]] = {}
+    with path.open() as log:
+        log.seek(offset)
+        for line in log:
+            entry = json.loads(line)
+            if entry.get("user", {}).get("username") != OPERATOR_USER:
+                continue
+            ref = entry.get("objectRef") or {}
+            resource = ref.get("resource", "?") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            verb = entry["verb"]
+            by_kind[f"{verb} {resource}"] += 1
+            codes[str((entry.get("responseStatus") or {}).get("code", "?"))] += 1
+            match = RUN_NAME.match(ref.get("name") or "")
+            if verb in WRITE_VERBS and match:
+                phase = ((entry.get("requestObject") or {}).get("status") or {}).get("phase")
+                per_run.setdefault(match.group(1), []).append(
+                    (entry["requestReceivedTimestamp"], f"{verb} {resource}", phase)
+                )
+    writes = sum(v for k, v in by_kind.items() if k.split()[0] in WRITE_VERBS)
+    to_running: list[int] = []
+    to_running_without_events: list[int] = []
+    status_patches: list[int] = []
+    for requests in per_run.values():
+        requests.sort()
+        status_patches.append(sum(1 for _, kind, _ in requests if kind == "patch tpufinetunes/status"))
+        for i, (_, kind, phase) in enumerate(requests):
+            if kind == "patch tpufinetunes/status" and phase in ("Running", "Succeeded"):
+                to_running.append(i + 1)
+                to_running_without_events.append(sum(1 for r in requests[: i + 1] if "events" not in r[1]))
+                break
+
+    def mean(values: list[int]) -> float | None:
+        return round(statistics.mean(values), 2) if values else None
+
+    return {
+        "total": sum(by_kind.values()),
+        "writes": writes,
+        "reads": sum(by_kind.values()) - writes,
+        "writes_per_run": round(writes / n, 2),
+        "object_creates_per_run": round(
+            sum(v for k, v in by_kind.items() if k.startswith("create ") and k != "create events") / n, 2
+        ),
+        "status_patches_per_run": round(by_kind["patch tpufinetunes/status"] / n, 2),
+        "events_per_run": round(by_kind["create events"] / n, 2),
+        "reads_per_run": round((sum(by_kind.values()) - writes) / n, 2),
+        "by_verb_and_resource": dict(by_kind.most_common()),
+        "by_code": dict(codes.most_common()),
+        "writes_to_running_per_run_mean": mean(to_running),
+        "writes_to_running_per_run_max": max(to_running) if to_running else None,
+        "writes_to_running_without_events_mean": mean(to_running_without_events),
+        "status_patches_per_run_mean": mean(status_patches),
+        "status_patches_per_run_max": max(status_patches) if status_patches else None,
+    }
+
+
+def operator_listed(path: Path) -> bool:
+    """Whether the operator's lists of TPUFineTunes, JobSets and pods have succeeded (its watches follow)."""
+    listed = set()
+    with path.open() as log:
+        for line in log:
+            entry = json.loads(line)
+            if (
+                entry.get("user", {}).get("username") == OPERATOR_USER
+                and entry["verb"] == "list"
+                and (entry.get("responseStatus") or {}).get("code") == 200
+            ):
+                listed.add((entry.get("objectRef") or {}).get("resource"))
+    return {"tpufinetunes", "jobsets", "pods"} <= listed
+
+
+# --------------------------------------------------------------------------- phases
+@dataclass
+class Bench:
+    cluster: LocalCluster
+    api: client.ApiClient
+    operator_kubeconfig: Path
+    logs: Path
+
+    def namespace(self, name: str) -> None:
+        self.cluster.kubectl("create", "namespace", name)
+
+    def direct(self, n: int) -> dict[str, Any]:
+        ns = f"bench-direct-{n}"
+        self.namespace(ns)
+        runs = [
+            render_run(finetune(name, ns), RenderSettings(trainer_image=TRAINER_IMAGE)) for name in names(n)
+        ]
+        core = client.CoreV1Api(self.api)
+        custom = client.CustomObjectsApi(self.api)
+        errors: Counter[int] = Counter()
+        # Untimed: what the JobSets' pods need (their ServiceAccount and configuration).
+        prerequisites: list[tuple[str, Callable[[], Any]]] = []
+        for run in runs:
+            sa = next(o for o in run.identity if o["kind"] == "ServiceAccount")
+            prerequisites.append(
+                (f"sa/{run.jobset_name}", partial(core.create_namespaced_service_account, ns, cast(Any, sa)))
+            )
+            prerequisites.append(
+                (
+                    f"cm/{run.jobset_name}",
+                    partial(core.create_namespaced_config_map, ns, cast(Any, run.config_map)),
+                )
+            )
+        create_all(prerequisites, {}, Counter())
+
+        obs = Observations()
+        watcher = Watcher(self.api, JOBSET, ns, obs.jobset_event)
+        watcher.start()
+        watcher.ready.wait(30)
+        codes_before = apiserver_codes(self.cluster)
+        sent: dict[str, float] = {}
+        group, version, plural = JOBSET
+        items = [
+            (
+                run.jobset_name,
+                partial(custom.create_namespaced_custom_object, group, version, ns, plural, run.jobset),
+            )
+            for run in runs
+        ]
+        started = time.monotonic()
+        create_all(items, sent, errors)
+        created = time.monotonic() - started
+        wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 300)
+        all_seen = max(obs.jobset_seen.values()) - started
+        codes_after = apiserver_codes(self.cluster)
+        # The node pools must be free for the operator's runs: let these finish (untimed).
+        wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
+        watcher.stopped.set()
+        latencies = [obs.jobset_seen[r] - sent[r] for r in sent if r in obs.jobset_seen]
+        result = {
+            "mode": "direct",
+            "n": n,
+            "load_average_at_end": load_average(),
+            "client_seconds_to_send_all": round(created, 2),
+            "seconds_to_all_jobsets": round(all_seen, 2),
+            "create_to_jobset": percentiles(latencies),
+            "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
+            "client_errors": {str(k): v for k, v in errors.items()},
+            "apiserver_error_codes": storm_codes(codes_before, codes_after),
+        }
+        return result
+
+    def operator(self, n: int, *, profile: Path | None = None) -> dict[str, Any]:
+        ns = f"bench-operator-{n}"
+        self.namespace(ns)
+        audit_log = self.cluster.layout.audit_log
+        process = OperatorProcess(
+            self.operator_kubeconfig,
+            self.logs / f"operator-{n}.log",
+            TPUFT_TRAINER_IMAGE=TRAINER_IMAGE,
+        )
+        process.start()
+        assert process.process is not None
+        pid = process.process.pid
+        # /healthz answers before kopf's watches are open (its first list can even get a 429 while
+        # the new CRD's watch cache initializes): wait until its three lists have succeeded.
+        wait_until("the operator's initial lists", lambda: operator_listed(audit_log), 120)
+        time.sleep(1)
+        idle = proc_usage(pid)
+        offset = audit_log.stat().st_size
+        spy = None
+        if profile is not None:
+            spy = subprocess.Popen(
+                [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "50", "--format", "speedscope",
+                 "--output", str(profile), "--nonblocking"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+
+        obs = Observations()
+        watchers = [
+            Watcher(self.api, JOBSET, ns, obs.jobset_event),
+            Watcher(self.api, FINETUNE, ns, obs.finetune_event),
+        ]
+        for watcher in watchers:
+            watcher.start()
+            watcher.ready.wait(30)
+        codes_before = apiserver_codes(self.cluster)
+        custom = client.CustomObjectsApi(self.api)
+        group, version, plural = FINETUNE
+        sent: dict[str, float] = {}
+        errors: Counter[int] = Counter()
+        items = [
+            (
+                name,
+                partial(
+                    custom.create_namespaced_custom_object, group, version, ns, plural, finetune(name, ns)
+                ),
+            )
+            for name in names(n)
+        ]
+        started = time.monotonic()
+        create_all(items, sent, errors)
+        created = time.monotonic() - started
+        wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 600)
+        all_jobsets = max(obs.jobset_seen.values()) - started
+        at_jobsets = proc_usage(pid)
+        wait_until(f"{n} runs Succeeded", lambda: len(obs.succeeded) >= n, 1500)
+        all_succeeded = max(obs.succeeded.values(), default=started) - started
+        time.sleep(3)  # late writes (events) land in the audit log
+        usage = proc_usage(pid)
+        codes_after = apiserver_codes(self.cluster)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT only
+            spy.wait(60)
+        process.stop()
+        for watcher in watchers:
+            watcher.stopped.set()
+        latencies = [obs.jobset_seen[r] - sent[r] for r in sent if r in obs.jobset_seen]
+        to_succeeded = [
+            obs.succeeded[r] - obs.jobset_completed[r] for r in obs.succeeded if r in obs.jobset_completed
+        ]
+        result = {
+            "mode": "operator",
+            "n": n,
+            "load_average_at_end": load_average(),
+            "client_seconds_to_send_all": round(created, 2),
+            "seconds_to_all_jobsets": round(all_jobsets, 2),
+            "seconds_to_all_succeeded": round(all_succeeded, 2),
+            "create_to_jobset": percentiles(latencies),
+            "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
+            "jobset_completed_to_succeeded": percentiles(to_succeeded),
+            "jobset_completed_to_succeeded_samples": [round(v, 4) for v in sorted(to_succeeded)],
+            "runs_seen_running": len(obs.running),
+            "runs_succeeded": len(obs.succeeded),
+            "client_errors": {str(k): v for k, v in errors.items()},
+            "apiserver_error_codes": storm_codes(codes_before, codes_after),
+            "operator_api": audit_requests(audit_log, offset, n),
+            "operator_process": {
+                "idle": idle,
+                "at_all_jobsets": at_jobsets,
+                "end": usage,
+                "peak_rss_mb": usage["peak_rss_mb"],
+                "cpu_seconds_under_load": round(usage["cpu_seconds"] - idle["cpu_seconds"], 2),
+                "cpu_ms_per_run": round(1000 * (usage["cpu_seconds"] - idle["cpu_seconds"]) / n, 2),
+            },
+        }
+        return result
+
+
+def start_cluster(log: Callable[[str], None]) -> LocalCluster:
+    """A fresh `bench` cluster with the operator's audit log on and POOLS v5e 2x2 node pools."""
+    cluster = LocalCluster(name=CLUSTER, log=log)
+    cluster.down()
+    cluster.layout.root.mkdir(parents=True, exist_ok=True)
+    cluster.layout.audit_policy.write_text(AUDIT_POLICY)
+    cluster.up()
+    nodes = cluster.add_nodepool("v5e", "2x2", slices=POOLS, prefix="bench", wait=False)
+    wait_until(
+        f"{len(nodes)} nodes Ready",
+        lambda: cluster.kubectl(
+            "get", "nodes", "-l", "type=kwok", "-o",
+            'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\\n"}{end}',
+        ).stdout.split().count("True") >= len(nodes),
+        300,
+    )  # fmt: skip
+    return cluster
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def main(
+    sizes: Iterable[int] = SIZES, *, keep_cluster: bool = False, profile: bool = False
+) -> dict[str, Any]:
+    sizes = list(sizes)
+    load_before = load_average()
+    phases: list[dict[str, Any]] = []
+    for n in sizes:
+        print(f">> N={n}: a fresh cluster with {POOLS} v5e 2x2 node pools")
+        cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
+        logs = Path(tempfile.gettempdir()) / "tpuft-bench"  # the operator logs, kept after `down`
+        try:
+            bench = Bench(cluster, api_client(cluster.kubeconfig), install_operator(cluster), logs)
+            print(f">> N={n}: through the operator")
+            spy = (
+                RESULTS.parent / f"operator-profile-{n}.speedscope.json"
+                if profile and n == max(sizes)
+                else None
+            )
+            operator_phase = bench.operator(n, profile=spy)
+            print(f">> N={n}: direct JobSet creation (the limit)")
+            direct_phase = bench.direct(n)
+            phases += [direct_phase, operator_phase]
+            print(summary_line(direct_phase, operator_phase))
+        finally:
+            if not (keep_cluster and n == sizes[-1]):
+                cluster.down()
+    results = {
+        "what": "tpuft operator at scale vs direct JobSet creation, local cluster (kwok TPU nodes)",
+        "machine": machine(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "node_pools": {"type": "v5e", "topology": "2x2", "pools": POOLS, "hosts_per_pool": 1},
+        "client_threads": THREADS,
+        "phases": phases,
+    }
+    # A profiled run is slower (py-spy shares the cores): its numbers go to their own file.
+    path = RESULTS.with_name("operator-profiled.json") if profile else RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def machine() -> dict[str, Any]:
+    meminfo = Path("/proc/meminfo").read_text()
+    total_kb = int(re.search(r"MemTotal:\s+(\d+)", meminfo).group(1))  # type: ignore[union-attr]
+    model = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(total_kb / 1024 / 1024, 1),
+        "cpu_model": model.group(1) if model else None,
+    }
+
+
+def summary_line(direct: dict[str, Any], operator: dict[str, Any]) -> str:
+    d, o = direct["create_to_jobset"], operator["create_to_jobset"]
+    return (
+        f"   N={operator['n']}: p99 create->JobSet {o['p99']}s vs direct {d['p99']}s; "
+        f"all JobSets {operator['seconds_to_all_jobsets']}s vs {direct['seconds_to_all_jobsets']}s; "
+        f"writes/run {operator['operator_api']['writes_per_run']}; "
+        f"peak RSS {operator['operator_process']['peak_rss_mb']} MB"
+    )
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench operator")
+    parser.add_argument("--n", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--keep-cluster", action="store_true", help="leave the bench cluster running")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the operator at the largest N (speedscope JSON in bench/results/; the numbers of a "
+        "profiled run go to operator-profiled.json, not operator.json)",
+    )
+    args = parser.parse_args(argv)
+    main(args.n, keep_cluster=args.keep_cluster, profile=args.profile)

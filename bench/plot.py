@@ -1,0 +1,90 @@
+"""The operator benchmark's plot: latency distributions (operator vs direct) and cost per run vs N.
+Reads bench/results/operator.json, writes bench/results/operator.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: files only
+import matplotlib.pyplot as plt
+
+from bench.operator import RESULTS
+
+PNG = RESULTS.with_suffix(".png")
+
+
+def _cdf(ax: Any, samples: list[float], **style: Any) -> None:
+    if not samples:
+        return
+    ordered = sorted(samples)
+    ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", **style)
+
+
+def plot(results: dict[str, Any], path: Path = PNG) -> Path:
+    phases = results["phases"]
+    sizes = sorted({p["n"] for p in phases})
+    colors = dict(zip(sizes, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), strict=False))
+    operator = {p["n"]: p for p in phases if p["mode"] == "operator"}
+    direct = {p["n"]: p for p in phases if p["mode"] == "direct"}
+    fig, (created, finished, cost) = plt.subplots(1, 3, figsize=(17, 5))
+
+    for n in sizes:
+        _cdf(created, operator[n]["create_to_jobset_samples"], color=colors[n], label=f"operator N={n}")
+        _cdf(created, direct[n]["create_to_jobset_samples"], color=colors[n], ls="--", label=f"direct N={n}")
+        _cdf(finished, operator[n]["jobset_completed_to_succeeded_samples"], color=colors[n], label=f"N={n}")
+    created.set(
+        xscale="log",
+        xlabel="seconds (log)",
+        ylabel="fraction of runs",
+        title="create request -> JobSet seen by a watch",
+    )
+    finished.set(
+        xlabel="seconds", ylabel="fraction of runs", title="JobSet Completed -> TPUFineTune Succeeded"
+    )
+    for ax in (created, finished):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    ns = [n for n in sizes if n in operator]
+    api = [operator[n]["operator_api"] for n in ns]
+    cost.plot(ns, [a["writes_per_run"] for a in api], "o-", label="API writes / run")
+    cost.plot(ns, [a["reads_per_run"] for a in api], "s-", label="API reads / run")
+    cost.plot(
+        ns, [a["writes_to_running_per_run_mean"] or 0 for a in api], "^-", label="writes to Running / run"
+    )
+    cost.set(xscale="log", xlabel="N (runs applied at once)", ylabel="requests per run", title="cost per run")
+    cost.set_xticks(ns, [str(n) for n in ns])
+    cost.set_ylim(bottom=0)
+    cpu = cost.twinx()
+    cpu.plot(ns, [operator[n]["operator_process"]["cpu_ms_per_run"] for n in ns], "d--", color="tab:gray")
+    cpu.set_ylabel("operator CPU ms / run (dashed)")
+    cpu.set_ylim(bottom=0)
+    for n in ns:
+        rss = operator[n]["operator_process"]["peak_rss_mb"]
+        cost.annotate(f"{rss:.0f} MB", (n, api[ns.index(n)]["writes_per_run"]), textcoords="offset points",
+                      xytext=(0, 8), ha="center", fontsize=8)  # fmt: skip
+    cost.legend(fontsize=8, loc="lower left")
+    cost.grid(alpha=0.3)
+
+    machine = results.get("machine", {})
+    fig.suptitle(
+        f"tpuft operator vs direct JobSet creation - {machine.get('cpus')} CPUs, "
+        f"{machine.get('memory_gib')} GiB; load average (1/5/15 min) before "
+        f"{results.get('load_average_before')}, after {results.get('load_average_after')}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    print(f"plot: {plot(json.loads(RESULTS.read_text()))}")
+
+
+if __name__ == "__main__":
+    main()
