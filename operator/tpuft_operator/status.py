@@ -110,9 +110,10 @@ def _derive_phase(obs: Observed) -> _Derived:
         message = f"{path}: {reason}"
         return _Derived("Failed", "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
     valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
-    if previous_phase in TERMINAL_PHASES and obs.jobset is None:
-        # Finished runs stay finished even when their JobSet is gone (deleted by someone, or GC).
-        # Their conditions stay as they were (a Valid=False set when the apiserver refused the JobSet).
+    if previous_phase in TERMINAL_PHASES:
+        # Final means final: the phase, message and conditions of a finished run stay as first derived,
+        # even when its JobSet or pods are gone later (deleted by someone, GC, namespace deletion) and
+        # the exit code that explained a failure can no longer be seen.
         status = obs.finetune.get("status") or {}
         return _Derived(previous_phase, "Finished", status.get("message") or "", {})
     jobset = obs.jobset

@@ -220,3 +220,15 @@ def test_decide(
 
 def test_decide_does_nothing_for_an_invalid_spec() -> None:
     assert decide(finetune(), None, None) == Decision()
+
+
+def test_a_finished_run_keeps_its_first_explanation_when_its_pods_are_gone() -> None:
+    failed_pod = pod(
+        "host-0", phase="Failed", ready=False, containerStatuses=[{"state": {"terminated": {"exitCode": 65}}}]
+    )
+    failed_js = jobset(conditions=[{"type": "Failed", "status": "True", "reason": "FailedJobs"}])
+    first = derive(finetune(), failed_js, [failed_pod])
+    assert "DATA_ERROR" in first["message"]
+    later = derive(finetune(first), failed_js, [])  # the pods were deleted since
+    assert later["message"] == first["message"]
+    assert status_patch(first, later) is None
