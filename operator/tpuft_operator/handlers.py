@@ -9,7 +9,11 @@ finalizer is added: deleting a TPUFineTune is never blocked, even with the opera
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -64,25 +68,50 @@ def _run(
             logger.error("%s; a retry cannot fix this (check the operator's RBAC and the spec)", error)
 
 
+@dataclass
+class Resync:
+    """State of the resync loop, shared by every handler.
+
+    kopf gives each resource its own shallow copy of the memo, so an attribute set on ``memo`` in a
+    handler is invisible to the loop; this object is shared by all the copies. The loop runs the
+    reconciles on its own thread, because kopf parks blocking waits in asyncio's default executor.
+    """
+
+    indexes: tuple[kopf.Index[Key, kopf.Body], ...] | None = None
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpuft-resync")
+    )
+    task: asyncio.Task[None] | None = None
+
+
 async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
     """A safety net instead of kopf timers (which would add a finalizer to every run): every
     ``interval`` seconds, re-reconcile each unfinished run from the in-memory indexes, so a missed
     event or a failed API call heals without anyone touching the object."""
     resync_log = logging.getLogger("tpuft.resync")
+    state: Resync = memo.resync
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval)
-        indexes = getattr(memo, "indexes", None)
-        if indexes is None:
+        if state.indexes is None:
             continue
-        finetune_index, jobset_index, pod_index = indexes
+        finetune_index, jobset_index, pod_index = state.indexes
         for key in list(finetune_index):
             finetune = _latest(finetune_index, key)
             if finetune is None or (finetune.get("status") or {}).get("phase") in TERMINAL_PHASES:
                 continue
+            # A copy of this task's context: kopf.event() finds its event queue there.
+            call = functools.partial(
+                contextvars.copy_context().run,
+                _run,
+                memo,
+                finetune,
+                _latest(jobset_index, key),
+                pod_index,
+                resync_log,
+            )
             try:
-                await asyncio.to_thread(
-                    _run, memo, finetune, _latest(jobset_index, key), pod_index, resync_log
-                )
+                await loop.run_in_executor(state.executor, call)
             except Exception as error:  # the next pass retries; the loop must never die
                 resync_log.warning("resync of %s/%s failed: %s", key[0], key[1], error)
 
@@ -114,7 +143,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # The indexes arrive as keyword arguments named after the index functions above.
     @kopf.on.event(*FINETUNES, registry=registry)
     def finetune_event(type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kw: Any) -> None:
-        memo.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
+        memo.resync.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if type == "DELETED":
             memo.reconciler.forget((namespace, name))
@@ -146,10 +175,12 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def start_resync(memo: kopf.Memo, **_: Any) -> None:
-        memo.resync_task = asyncio.create_task(_resync_forever(memo, settings.resync_seconds))
+        memo.resync.task = asyncio.create_task(_resync_forever(memo, settings.resync_seconds))
 
     @kopf.on.cleanup(registry=registry)
     async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-        memo.resync_task.cancel()
+        if memo.resync.task is not None:
+            memo.resync.task.cancel()
+        memo.resync.executor.shutdown(wait=False, cancel_futures=True)
 
     return registry

@@ -13,7 +13,7 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator.handlers import build_registry
+from tpuft_operator.handlers import Resync, build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
@@ -76,7 +76,7 @@ def build_memo(settings: OperatorSettings) -> kopf.Memo:
             progress_min_interval_seconds=settings.progress_interval_seconds,
         ),
     )
-    return kopf.Memo(settings=settings, reconciler=reconciler)
+    return kopf.Memo(settings=settings, reconciler=reconciler, resync=Resync())
 
 
 def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None) -> None:

@@ -145,6 +145,7 @@ class Reconciler:
             spec_error = (error.field, error.reason)
 
         decision = decide(finetune, rendered, jobset)
+        creation_error: ApiError | None = None
         if decision.create and rendered is not None:
             try:
                 for obj in rendered.objects:
@@ -172,12 +173,17 @@ class Reconciler:
                             log.info("adopted existing JobSet %s", rendered.jobset_name)
             except ApiError as error:
                 if error.status not in (400, 422):
-                    raise
-                # The apiserver refused an object rendered from a spec that passed our validation
-                # (a pod rule we do not check): no retry can fix it, so the run fails saying why.
-                log.warning("the spec renders to an object the apiserver refuses: %s", error)
-                spec_error = ("spec", f"the apiserver refused an object rendered from this spec: {error}")
-                rendered = None
+                    if not error.retryable:
+                        raise
+                    # Say so in the status (a webhook or the apiserver is down); the caller logs
+                    # it and the resync retries.
+                    creation_error = error
+                else:
+                    # The apiserver refused an object rendered from a spec that passed our validation
+                    # (a pod rule we do not check): no retry can fix it, so the run fails saying why.
+                    log.warning("the spec renders to an object the apiserver refuses: %s", error)
+                    spec_error = ("spec", f"the apiserver refused an object rendered from this spec: {error}")
+                    rendered = None
         if decision.set_suspend is not None and jobset is not None:
             self.api.patch_jobset_suspend(namespace, jobset["metadata"]["name"], decision.set_suspend)
             verb = "suspended" if decision.set_suspend else "resumed"
@@ -196,6 +202,7 @@ class Reconciler:
                 jobset=jobset,
                 pods=pods,
                 spec_error=spec_error,
+                creation_error=str(creation_error) if creation_error else None,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,
@@ -205,9 +212,20 @@ class Reconciler:
         metrics.observe_phase((namespace, name), derived["phase"])
         current: Obj = finetune.get("status") or {}
         patch = status_patch(current, derived)
-        if patch is None:
-            return
-        self._written[(namespace, name)] = self.api.patch_finetune_status(namespace, name, patch)
+        if patch is not None:
+            self._written[(namespace, name)] = self.api.patch_finetune_status(namespace, name, patch)
+            self._post_transition_events(current, derived, patch, event, log)
+        if creation_error is not None:
+            raise creation_error  # logged by the handler; the resync retries
+
+    @staticmethod
+    def _post_transition_events(
+        current: Obj,
+        derived: Mapping[str, Any],
+        patch: Mapping[str, Any],
+        event: EventSink,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
         if patch.get("phase") and patch["phase"] != current.get("phase"):
             kind, reason = _EVENT_FOR_PHASE[derived["phase"]]
             log.info(

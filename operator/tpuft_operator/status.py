@@ -36,6 +36,8 @@ class Observed:
     pods: Sequence[Obj] = ()
     # From validation/rendering: ("spec.tpu.topology", "reason") when the spec cannot run.
     spec_error: tuple[str, str] | None = None
+    # A retryable API error while creating the run's objects (e.g. the JobSet webhook is down).
+    creation_error: str | None = None
     chips: int | None = None
     hosts: int | None = None
     accelerator: str | None = None
@@ -118,6 +120,11 @@ def _derive_phase(obs: Observed) -> _Derived:
         return _Derived(previous_phase, "Finished", status.get("message") or "", {})
     jobset = obs.jobset
     if jobset is None:
+        if obs.creation_error is not None:
+            message = f"creating the JobSet failed, retrying: {obs.creation_error}"
+            return _Derived(
+                "Pending", "CreateFailed", message, {**valid, "Created": ("False", "ApiError", message)}
+            )
         if (obs.finetune.get("status") or {}).get("jobSetName"):
             return _Derived("Pending", "JobSetMissing", "the JobSet was deleted; recreating it", valid)
         return _Derived("Pending", "Creating", "creating the JobSet", valid)
