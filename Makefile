@@ -11,13 +11,14 @@ VENV_SCRIPT := scripts/venv.sh
 PY = "$$($(VENV_SCRIPT) | tail -n1)/bin/python"
 TPUFT = "$$($(VENV_SCRIPT) | tail -n1)/bin/tpuft"
 
-.PHONY: help venv binaries test test-unit test-trainer test-cluster lint crd docs demo bench clean-cluster
+.PHONY: help venv binaries test test-unit test-trainer test-cluster lint crd docs demo bench chaos clean-cluster
 
 help:
 	@echo "make demo    - local cluster + operator + a real FSDPv2 fine-tune of a tiny model"
 	@echo "make test    - every test (unit, trainer SPMD on CPU devices, local cluster, e2e)"
 	@echo "make lint    - ruff + mypy"
 	@echo "make bench   - benchmarks, results in bench/results/"
+	@echo "make chaos   - the fault suite, several rounds (TPUFT_CHAOS_ROUNDS)"
 	@echo "make crd     - regenerate crds/ and docs/api.md from the API models"
 
 venv:
@@ -49,6 +50,10 @@ demo: venv binaries
 
 bench: venv binaries
 	@$(PY) -m bench
+
+# The fault suite, longer than the round `make test` runs (TPUFT_CHAOS_ROUNDS rounds of every fault).
+chaos: venv binaries
+	@TPUFT_CHAOS_ROUNDS=$${TPUFT_CHAOS_ROUNDS:-5} $(PY) -m pytest tests/e2e/test_faults.py
 
 clean-cluster: venv
 	@$(TPUFT) cluster down --all
