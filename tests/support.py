@@ -33,3 +33,30 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
         if cond.get("type") == type_:
             return dict(cond)
     return None
+
+
+def finetune(
+    name: str,
+    namespace: str,
+    *,
+    tpu: dict[str, Any] | None = None,
+    pod_annotations: dict[str, str] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A minimal valid TPUFineTune (v5p 2x2x2 unless ``tpu`` says otherwise); ``spec`` adds fields."""
+    body: dict[str, Any] = {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.2-1B"},
+            "dataset": {"name": "gs://example-bucket/data/train.jsonl"},
+            "tpu": tpu or {"type": "v5p", "topology": "2x2x2"},
+            "training": {"maxSteps": 10},
+            "output": {"uri": "gs://example-bucket/out"},
+            **spec,
+        },
+    }
+    if pod_annotations:
+        body["spec"]["podAnnotations"] = pod_annotations
+    return body

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import unique
-from tests.support import get_json, wait_for
+from tests.support import finetune, get_json, wait_for
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import OperatorProcess
 
@@ -529,18 +529,3 @@ def test_watch_namespaces_grants_rights_only_there_and_the_operator_runs_on_them
         helm.run("uninstall", release, "-n", namespace, check=False)
         for name in (watched, other):
             local_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def finetune(name: str, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": {"name": "meta-llama/Llama-3.2-1B"},
-            "dataset": {"name": "gs://example-bucket/data/train.jsonl"},
-            "tpu": {"type": "v5p", "topology": "2x2x2"},
-            "training": {"maxSteps": 10},
-            "output": {"uri": "gs://example-bucket/out"},
-        },
-    }

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OPERATOR_NAMESPACE, SERVICE_ACCOUNT, OperatorProcess
-from tests.support import condition, get_json, wait_for
+from tests.support import condition, finetune, get_json, wait_for
 from tpuft_operator.cluster import kwok
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.render import RenderSettings, render_run
@@ -18,32 +18,6 @@ from tpuft_operator.render import RenderSettings, render_run
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 HOLD_RUNNING = kwok.hold_running("15s")
-
-
-def finetune(
-    name: str,
-    namespace: str,
-    *,
-    tpu: dict[str, Any] | None = None,
-    pod_annotations: dict[str, str] | None = None,
-    **spec: Any,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": {"name": "meta-llama/Llama-3.2-1B"},
-            "dataset": {"name": "gs://example-bucket/data/train.jsonl"},
-            "tpu": tpu or {"type": "v5p", "topology": "2x2x2"},
-            "training": {"maxSteps": 10},
-            "output": {"uri": "gs://example-bucket/out"},
-            **spec,
-        },
-    }
-    if pod_annotations:
-        body["spec"]["podAnnotations"] = pod_annotations
-    return body
 
 
 def ft_get(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
