@@ -382,13 +382,11 @@ class Bench:
         core = client.CoreV1Api(self.api)
         custom = client.CustomObjectsApi(self.api)
         errors: Counter[int] = Counter()
-        # Untimed: what the JobSets' pods need (their ServiceAccount and configuration).
+        # Untimed: what the JobSets' pods need (the namespace's trainer ServiceAccount, their configuration).
         prerequisites: list[tuple[str, Callable[[], Any]]] = []
+        sa = next(o for o in runs[0].namespace_objects if o["kind"] == "ServiceAccount")
+        prerequisites.append(("sa", partial(core.create_namespaced_service_account, ns, cast(Any, sa))))
         for run in runs:
-            sa = next(o for o in run.identity if o["kind"] == "ServiceAccount")
-            prerequisites.append(
-                (f"sa/{run.jobset_name}", partial(core.create_namespaced_service_account, ns, cast(Any, sa)))
-            )
             prerequisites.append(
                 (
                     f"cm/{run.jobset_name}",

@@ -121,6 +121,18 @@ class Api:
         except ApiException as error:
             raise _wrap(error, f"reading existing {kind} {namespace}/{name}") from error
 
+    def ensure(self, obj: Obj) -> bool:
+        """Creates ``obj`` unless it exists (True if this call created it). Never reads or changes an
+        existing one: for shared objects that anyone may have made first."""
+        kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        try:
+            self._call("POST", KINDS[kind].path(namespace), dict(obj))
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise _wrap(error, f"creating {kind} {namespace}/{name}") from error
+        return True
+
     def patch_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
         """Suspend or resume with a merge patch of one field: replicatedJobs is immutable, so a
         full re-apply of the JobSet would be rejected."""

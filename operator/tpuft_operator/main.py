@@ -59,7 +59,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     # kopf must not write anything on our objects: we use no change-detecting handlers, and
     # keeping its bookkeeping in annotations would show up as drift in GitOps tools.
     kopf_settings.persistence.finalizer = "tpuft.dev/unused-finalizer"
-    kopf_settings.execution.max_workers = 8
+    kopf_settings.execution.max_workers = settings.workers
     kopf_settings.peering.standalone = True
     if settings.namespaces:
         # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
@@ -71,6 +71,7 @@ def build_memo(settings: OperatorSettings) -> kopf.Memo:
     api = Api(load_client(settings.kubeconfig))
     reconciler = Reconciler(
         api=api,
+        status_settle_seconds=settings.status_settle_seconds,
         render_settings=RenderSettings(
             trainer_image=settings.trainer_image,
             progress_min_interval_seconds=settings.progress_interval_seconds,

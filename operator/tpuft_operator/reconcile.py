@@ -23,6 +23,8 @@ from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, status_patch
 
 Obj = Mapping[str, Any]
+# How often the shared per-namespace progress identity is re-checked (it is created once).
+NAMESPACE_IDENTITY_RECHECK = 600.0
 # (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
 EventSink = Callable[[str, str, str], None]
 
@@ -70,12 +72,26 @@ class Reconciler:
     api: Api
     render_settings: RenderSettings
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
+    # A run's first status waits this long after its JobSet is created (see `_settling`).
+    status_settle_seconds: float = 0.0
+    # Asks for another reconcile of a run after a delay (the handlers' resync loop provides it).
+    defer: Callable[[tuple[str, str], float], None] = lambda key, delay: None
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     # The object as our last status patch left it. Events of a run's JobSet and pods carry the
     # TPUFineTune from the watch cache, which may not have seen that patch yet; deriving from the
     # older copy would repeat the patch and its event.
     _written: dict[tuple[str, str], Obj] = field(default_factory=dict)
+    # The JobSet this process created or adopted, by run (with the run's uid), until the index has
+    # it: an event that arrives before the JobSet's own watch event must not create it again.
+    _jobsets: dict[tuple[str, str], tuple[str, Obj]] = field(default_factory=dict)
+    # When this process created each run's JobSet, until the run's first status is written.
+    _created_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    # The render of each run by (uid, generation): rendering reads only the name, uid and spec, and
+    # every pod and JobSet event reconciles the run; re-rendering for each cost ~15% of the CPU.
+    _renders: dict[tuple[str, str], tuple[str, int, RenderedRun | SpecError]] = field(default_factory=dict)
+    # Namespaces whose shared progress identity this process has made sure of, and when.
+    _namespaces: dict[str, float] = field(default_factory=dict)
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._locks_guard:
@@ -85,7 +101,63 @@ class Reconciler:
         with self._locks_guard:
             self._locks.pop(key, None)
             self._written.pop(key, None)
+            self._jobsets.pop(key, None)
+            self._created_at.pop(key, None)
+            self._renders.pop(key, None)
         metrics.forget_run(key)
+
+    def jobset_deleted(self, key: tuple[str, str]) -> None:
+        """The run's JobSet is gone (its watch says so): stop standing in for it."""
+        with self._locks_guard:
+            self._jobsets.pop(key, None)
+
+    def _render(self, key: tuple[str, str], finetune: Obj) -> RenderedRun | SpecError:
+        meta = finetune["metadata"]
+        uid, generation = str(meta.get("uid")), int(meta.get("generation") or 0)
+        cached = self._renders.get(key)
+        if cached is not None and cached[:2] == (uid, generation):
+            return cached[2]
+        # The desired state depends on the spec alone; status and server-set metadata stay out.
+        desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
+        result: RenderedRun | SpecError
+        try:
+            result = render_run(desired, self.render_settings)
+        except SpecError as error:
+            result = error
+        self._renders[key] = (uid, generation, result)
+        return result
+
+    def _known_jobset(self, key: tuple[str, str], finetune: Obj, jobset: Obj | None) -> Obj | None:
+        remembered = self._jobsets.get(key)
+        if remembered is None:
+            return jobset
+        if jobset is not None or remembered[0] != finetune["metadata"].get("uid"):
+            del self._jobsets[key]  # the index has caught up (or the run was re-created)
+            return jobset
+        return remembered[1]
+
+    def _ensure_namespace_identity(self, rendered: RenderedRun) -> None:
+        """Creates the namespace's shared trainer identity once (render/identity.py); after that,
+        only every NAMESPACE_IDENTITY_RECHECK seconds, so a deleted one comes back."""
+        namespace = str(rendered.jobset["metadata"]["namespace"])
+        checked = self._namespaces.get(namespace)
+        if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
+            return
+        for obj in rendered.namespace_objects:
+            if self.api.ensure(obj):
+                self.log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
+        self._namespaces[namespace] = time.monotonic()
+
+    def _settling(self, key: tuple[str, str], derived: Mapping[str, Any], current: Obj) -> float:
+        """Seconds to hold back this run's first status after creating its JobSet, else 0.
+
+        Pods usually start within a second or two of their JobSet; writing `Pending` and then
+        `Running` would cost two writes (and two events) where one says the same. Only a plain
+        Pending first status waits; errors and any later change are written at once."""
+        created_at = self._created_at.get(key)
+        if created_at is None or current.get("phase") or derived.get("phase") != "Pending":
+            return 0.0
+        return max(0.0, created_at + self.status_settle_seconds - time.monotonic())
 
     def _freshest(self, key: tuple[str, str], finetune: Obj) -> Obj:
         written = self._written.get(key)
@@ -132,26 +204,29 @@ class Reconciler:
     ) -> None:
         meta = finetune["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        finetune = self._freshest((namespace, name), finetune)
+        key = (namespace, name)
+        finetune = self._freshest(key, finetune)
+        jobset = self._known_jobset(key, finetune, jobset)
         rendered: RenderedRun | None = None
         spec_error: tuple[str, str] | None = None
-        # The desired state depends on the spec alone; status and server-set metadata stay out.
-        desired = {
-            key: finetune[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in finetune
-        }
-        try:
-            rendered = render_run(desired, self.render_settings)
-        except SpecError as error:
-            spec_error = (error.field, error.reason)
+        result = self._render(key, finetune)
+        if isinstance(result, SpecError):
+            spec_error = (result.field, result.reason)
+        else:
+            rendered = result
 
         decision = decide(finetune, rendered, jobset)
         creation_error: ApiError | None = None
         if decision.create and rendered is not None:
             try:
+                self._ensure_namespace_identity(rendered)
                 for obj in rendered.objects:
                     live, created = self.api.create_or_adopt(obj)
                     if obj["kind"] == "JobSet":
                         jobset = live
+                        self._jobsets[key] = (str(finetune["metadata"].get("uid")), live)
+                        if created:
+                            self._created_at[key] = time.monotonic()
                         if created and decision.recreated:
                             log.warning(
                                 "JobSet %s was deleted while the run was active; recreated it",
@@ -212,9 +287,20 @@ class Reconciler:
         metrics.observe_phase((namespace, name), derived["phase"])
         current: Obj = finetune.get("status") or {}
         patch = status_patch(current, derived)
-        if patch is not None:
-            self._written[(namespace, name)] = self.api.patch_finetune_status(namespace, name, patch)
+        settle = self._settling(key, derived, current) if patch is not None else 0.0
+        if settle > 0:
+            self.defer(key, settle)  # the next reconcile writes whatever is true by then
+        elif patch is not None:
+            written = dict(self.api.patch_finetune_status(namespace, name, patch))
+            # Kept until the watch catches up; without managedFields and annotations (memory).
+            written["metadata"] = {
+                k: v for k, v in written["metadata"].items() if k not in ("managedFields", "annotations")
+            }
+            self._written[key] = written
+            self._created_at.pop(key, None)
             self._post_transition_events(current, derived, patch, event, log)
+        if derived["phase"] in TERMINAL_PHASES:
+            self._renders.pop(key, None)  # nothing is created for a finished run again
         if creation_error is not None:
             raise creation_error  # logged by the handler; the resync retries
 
@@ -226,13 +312,14 @@ class Reconciler:
         event: EventSink,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
     ) -> None:
-        if patch.get("phase") and patch["phase"] != current.get("phase"):
+        unschedulable = _became_unschedulable(current, derived)
+        if patch.get("phase") and patch["phase"] != current.get("phase") and not unschedulable:
             kind, reason = _EVENT_FOR_PHASE[derived["phase"]]
             log.info(
                 "phase %s -> %s: %s", current.get("phase") or "(new)", derived["phase"], derived["message"]
             )
             event(kind, reason, derived["message"])
-        elif _became_unschedulable(current, derived):
+        elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
 

@@ -56,6 +56,17 @@ class OperatorSettings:
         "retries a failed API call and heals a missed event.",
         "TPUFT_RESYNC_SECONDS",
     )
+    status_settle_seconds: float = _setting(
+        2.0,
+        "A new run's first status waits this long after its JobSet is created, so a run whose pods "
+        "start at once is reported Running in one write instead of Pending then Running. 0: at once.",
+        "TPUFT_STATUS_SETTLE_SECONDS",
+    )
+    workers: int = _setting(
+        32,
+        "Reconciles that run at once (threads; they mostly wait on the API server).",
+        "TPUFT_WORKERS",
+    )
     progress_interval_seconds: float = _setting(
         10.0,
         "Least time between two progress reports of a run's trainer (each is one status patch).",

@@ -89,7 +89,7 @@ def test_apply_to_succeeded_with_the_rendered_jobset(
             ]
         ]
     )
-    assert all(p["spec"]["serviceAccountName"] == "llama-progress" for p in pods)
+    assert all(p["spec"]["serviceAccountName"] == "tpuft-trainer" for p in pods)
 
     table = local_cluster.kubectl("get", "tpuft", "llama", "-n", namespace).stdout
     assert table.split("\n")[0].split()[:5] == ["NAME", "PHASE", "TYPE", "TOPOLOGY", "SLICES"]
@@ -115,7 +115,11 @@ def test_unschedulable_until_a_matching_pool_appears(
     assert pending["status"]["phase"] == "Pending"
     message = condition(pending, "Scheduled")["message"]  # type: ignore[index]
     assert "tpu-v4-podslice" in message and "2x2x4" in message
-    assert ("Unschedulable", message) in events(local_cluster, namespace, "wait-pool")
+    wait_for(
+        lambda: ("Unschedulable", message) in events(local_cluster, namespace, "wait-pool"),
+        timeout=15,
+        what="the Unschedulable event",
+    )
 
     local_cluster.add_nodepool("v4", "2x2x4", prefix=unique("v4"))
     wait_phase(local_cluster, namespace, "wait-pool", "Succeeded", timeout=120)
@@ -211,7 +215,7 @@ def test_delete_cascades_to_everything_the_run_created(
     selector = "tpuft.dev/finetune=doomed"
     assert all(
         get_json(local_cluster, k, "-n", namespace, "-l", selector)["items"]
-        for k in ("jobsets", "configmaps", "roles")
+        for k in ("jobsets", "configmaps")
     )
     local_cluster.kubectl("delete", "tpuft", "doomed", "-n", namespace, "--wait=true", "--timeout=30s")
     wait_for(

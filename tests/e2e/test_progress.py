@@ -1,5 +1,5 @@
 """Progress from a real FSDPv2 run: the pod's `tpuft train` runs on this host (4 PJRT CPU devices for
-a v5e 2x2 host) and rank 0 reports into status.progress with the pod's per-run identity."""
+a v5e 2x2 host) and rank 0 reports into status.progress with the pod's own (pod-bound) token."""
 
 from __future__ import annotations
 
@@ -88,9 +88,16 @@ def test_progress_from_a_real_training_run_reaches_status(
     assert (output / "model.safetensors").exists()
     assert json.loads((output / "config.json").read_text())["hidden_size"] == 64
 
-    # The pod's identity may patch only its own run's status.
+    # The pod's credentials (its pod-bound token) may patch only its own run's status.
+    (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", "tpuft.dev/finetune=tiny")["items"]
     config = tmp_path / "progress.kubeconfig"
-    config.write_text(local_cluster.service_account_kubeconfig(namespace, "tiny-progress"))
+    config.write_text(
+        local_cluster.service_account_kubeconfig(
+            namespace,
+            pod["spec"]["serviceAccountName"],
+            pod=(pod["metadata"]["name"], pod["metadata"]["uid"]),
+        )
+    )
     patch = '{"status":{"progress":{"step":1}}}'
     own = local_cluster.kubectl(
         "patch",

@@ -1,5 +1,6 @@
-"""Security (issue 8): a planted model token never leaves its Secret, the per-run identity can do
-exactly one thing, and trainer pods cannot escalate privileges.
+"""Security (issue 8): a planted model token never leaves its Secret, a run's pods can do exactly one
+thing with their credentials (report their own run's progress) and lose them with the run, and trainer
+pods cannot escalate privileges.
 
 The token reaches pods only as a secretKeyRef to a Secret of the run's own namespace; its value must not
 appear in the run's status, the namespace's Events, the operator's log, the ConfigMap, the JobSet, Jobs
@@ -167,7 +168,7 @@ def test_trainer_pods_cannot_escalate(
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for host in ("hostNetwork", "hostPID", "hostIPC"):
             assert not spec.get(host), host
-        assert spec["serviceAccountName"] == naming.progress_identity_name(name)
+        assert spec["serviceAccountName"] == naming.TRAINER_SERVICE_ACCOUNT
     # With run_as_user set (the documented option), pods are non-root and drop every capability.
     hardened = render_run(body, RenderSettings(run_as_user=1000)).jobset
     pod = hardened["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
@@ -175,28 +176,48 @@ def test_trainer_pods_cannot_escalate(
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
-def test_the_per_run_identity_can_only_report_its_own_progress(
+def pod_kubeconfig(local_cluster: LocalCluster, namespace: str, run: str, path: Path) -> tuple[Path, str]:
+    """A kubeconfig with the token a kubelet would mount in the run's first pod (bound to the pod)."""
+    pods = get_json(local_cluster, "pods", "-n", namespace, "-l", f"{LABEL}={run}")["items"]
+    pod = pods[0]
+    path.write_text(
+        local_cluster.service_account_kubeconfig(
+            namespace,
+            pod["spec"]["serviceAccountName"],
+            pod=(pod["metadata"]["name"], pod["metadata"]["uid"]),
+        )
+    )
+    return path, pod["metadata"]["name"]
+
+
+def test_a_runs_pods_can_only_report_its_own_progress(
     local_cluster: LocalCluster, namespace: str, running: tuple[str, str, dict[str, Any]], tmp_path: Path
 ) -> None:
     _, name, _ = running
     other = gated_run("other", namespace, suspend=True)
     local_cluster.apply([other])
-    account = naming.progress_identity_name(name)
-    who = f"--as=system:serviceaccount:{namespace}:{account}"
+    wait_for(
+        lambda: (
+            get_json(local_cluster, "tpuft", "other", "-n", namespace).get("status", {}).get("jobSetName")
+        ),
+        timeout=60,
+        what="the other run's status",
+    )
+    who = f"--as=system:serviceaccount:{namespace}:{naming.TRAINER_SERVICE_ACCOUNT}"
 
     def can(*args: str) -> bool:
         result = local_cluster.kubectl("auth", "can-i", *args, who, check=False)
         return result.stdout.strip() == "yes"
 
+    # RBAC: the namespace's trainer account may get and patch run statuses, and nothing else.
     assert can("patch", f"tpufinetunes.tpuft.dev/{name}", "--subresource=status", "-n", namespace)
-    assert can("get", f"tpufinetunes.tpuft.dev/{name}", "--subresource=status", "-n", namespace)
     denied = [
-        ("patch", "tpufinetunes.tpuft.dev/other", "--subresource=status", "-n", namespace),
         ("patch", f"tpufinetunes.tpuft.dev/{name}", "-n", namespace),  # the spec
         ("get", f"tpufinetunes.tpuft.dev/{name}", "-n", namespace),
         ("list", "tpufinetunes.tpuft.dev", "-n", namespace),
         ("list", "tpufinetunes.tpuft.dev", "-A"),
         ("delete", f"tpufinetunes.tpuft.dev/{name}", "-n", namespace),
+        ("patch", "tpufinetunes.tpuft.dev", "--subresource=status", "-n", "default"),
         ("get", f"secrets/{SECRET}", "-n", namespace),
         ("list", "secrets", "-n", namespace),
         ("create", "pods", "-n", namespace),
@@ -210,43 +231,75 @@ def test_the_per_run_identity_can_only_report_its_own_progress(
     allowed = [args for args in denied if can(*args)]
     assert not allowed, allowed
 
-    # And for real, with the account's own token.
-    config = tmp_path / "progress.kubeconfig"
-    config.write_text(local_cluster.service_account_kubeconfig(namespace, account))
+    # Admission, for real with the pod's own token: its run's progress, and only that.
+    config, pod = pod_kubeconfig(local_cluster, namespace, name, tmp_path / "pod.kubeconfig")
 
-    def as_run(*args: str) -> subprocess.CompletedProcess[str]:
-        return local_cluster.kubectl(*args, kubeconfig=config, check=False)
+    def as_pod(*args: str, kubeconfig: Path = config) -> subprocess.CompletedProcess[str]:
+        return local_cluster.kubectl(*args, kubeconfig=kubeconfig, check=False)
 
-    patch = '{"status":{"progress":{"step":1,"totalSteps":10,"summary":"1/10 (10%)"}}}'
-    own = as_run("patch", "tpuft", name, "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
+    def patch_status(run: str, status: dict[str, Any], **kw: Any) -> subprocess.CompletedProcess[str]:
+        body = json.dumps({"status": status})
+        return as_pod(
+            "patch", "tpuft", run, "-n", namespace, "--subresource=status", "--type=merge", "-p", body, **kw
+        )
+
+    progress = {"progress": {"step": 1, "totalSteps": 10, "summary": "1/10 (10%)"}}
+    own = patch_status(name, progress)
     assert own.returncode == 0, own.stderr
+    refused = {
+        "another run's progress": (patch_status("other", progress), "does not belong to TPUFineTune other"),
+        "its own phase": (patch_status(name, {"phase": "Succeeded"}), "status.progress only"),
+        "its own message": (patch_status(name, {"message": "all good"}), "status.progress only"),
+        "its own conditions": (patch_status(name, {"conditions": []}), "status.progress only"),
+    }
+    unbound = tmp_path / "unbound.kubeconfig"
+    unbound.write_text(local_cluster.service_account_kubeconfig(namespace, naming.TRAINER_SERVICE_ACCOUNT))
+    refused["a token not bound to a pod"] = (
+        patch_status(name, progress, kubeconfig=unbound),
+        "pod-bound token",
+    )
+    for what, (result, reason) in refused.items():
+        assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (what, result.stderr)
+        assert reason in result.stderr, (what, result.stderr)
     for args in (
         ("get", "tpufinetunes", "-n", namespace),
         ("get", "secret", SECRET, "-n", namespace),
         ("run", "shell", "--image=busybox", "-n", namespace, "--restart=Never"),
-        ("patch", "tpuft", "other", "-n", namespace, "--subresource=status", "--type=merge", "-p", patch),
     ):
-        result = as_run(*args)
+        result = as_pod(*args)
         assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (args, result.stderr)
     assert "progress" not in get_json(local_cluster, "tpuft", "other", "-n", namespace).get("status", {})
+    assert pod.startswith(naming.jobset_name(name))
 
 
-def test_the_per_run_identity_is_deleted_with_the_run(
-    local_cluster: LocalCluster, namespace: str, running: tuple[str, str, dict[str, Any]]
+def test_a_runs_credentials_die_with_the_run(
+    local_cluster: LocalCluster, namespace: str, running: tuple[str, str, dict[str, Any]], tmp_path: Path
 ) -> None:
     _, name, _ = running
-    account = naming.progress_identity_name(name)
-    kinds = ("serviceaccount", "role", "rolebinding")
-    for kind in kinds:
-        local_cluster.kubectl("get", kind, account, "-n", namespace)  # exists while the run does
+    config, _ = pod_kubeconfig(local_cluster, namespace, name, tmp_path / "pod.kubeconfig")
+    patch = '{"status":{"progress":{"step":2}}}'
+
+    def report() -> subprocess.CompletedProcess[str]:
+        return local_cluster.kubectl(
+            "patch", "tpuft", name, "-n", namespace, "--subresource=status", "--type=merge", "-p", patch,
+            kubeconfig=config, check=False,
+        )  # fmt: skip
+
+    assert report().returncode == 0
     local_cluster.kubectl("delete", "tpuft", name, "-n", namespace, "--wait=true", "--timeout=30s")
-
-    def gone() -> bool:
-        return all(
-            local_cluster.kubectl("get", kind, account, "-n", namespace, check=False).returncode != 0
-            for kind in kinds
-        )
-
-    wait_for(gone, timeout=60, what=f"garbage collection of {account}'s ServiceAccount, Role, RoleBinding")
-    # The Secret is the user's: it stays.
+    wait_for(
+        lambda: not get_json(local_cluster, "pods", "-n", namespace, "-l", f"{LABEL}={name}")["items"],
+        timeout=90,
+        what="the run's pods to be deleted",
+    )
+    # The token was bound to a pod that no longer exists: the apiserver stops accepting it (its
+    # token cache keeps a valid answer for ~10 s).
+    wait_for(
+        lambda: "unauthorized" in report().stderr.lower(),
+        timeout=60,
+        what="the pod's token to be refused",
+        interval=2,
+    )
+    # The namespace's shared trainer identity stays for the next run; the Secret is the user's.
+    local_cluster.kubectl("get", "serviceaccount", naming.TRAINER_SERVICE_ACCOUNT, "-n", namespace)
     local_cluster.kubectl("get", "secret", SECRET, "-n", namespace)

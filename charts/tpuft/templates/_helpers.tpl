@@ -47,7 +47,7 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: ["tpuft.dev"]
   resources: ["tpufinetunes"]
   verbs: ["list", "watch"]
-# Write the status it derives (merge patch of status only). get is held too because the per-run
+# Write the status it derives (merge patch of status only). get is held too because the namespace's
 # progress Role grants get+patch on this subresource, and RBAC lets a subject create a Role only
 # with permissions it holds itself: this is what avoids the escalate and bind verbs.
 - apiGroups: ["tpuft.dev"]
@@ -68,7 +68,9 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create"]
-# The per-run progress identity (ServiceAccount, Role limited to the run's status, RoleBinding):
+# The progress channel's identity: once per namespace the trainer ServiceAccount and a Role +
+# RoleBinding for run statuses (the chart's progress-policy.yaml limits each pod to its own run's
+# status.progress); per run only a RoleBinding when the user names the pods' ServiceAccount.
 # create; get to adopt after a restart. No update, delete, escalate or bind.
 - apiGroups: [""]
   resources: ["serviceaccounts"]

@@ -236,11 +236,14 @@ class LocalExecutor:
                     env[item["name"]] = base64.b64decode(result.stdout).decode()
                 elif not ref.get("optional"):
                     raise PodSpecError(f"Secret {ref['name']} key {ref['key']} not found")
-        # The pod's own identity: a bound token of its ServiceAccount, so RBAC is the pod's.
+        # The pod's own identity: a token of its ServiceAccount bound to the pod, like the one a
+        # kubelet mounts, so RBAC and admission see exactly what they would see on a node.
         kubeconfig = workdir / "kubeconfig"
         kubeconfig.write_text(
             self.cluster.service_account_kubeconfig(
-                namespace, pod["spec"].get("serviceAccountName") or "default"
+                namespace,
+                pod["spec"].get("serviceAccountName") or "default",
+                pod=(pod["metadata"]["name"], pod["metadata"]["uid"]),
             )
         )
         env["KUBECONFIG"] = str(kubeconfig)

@@ -368,10 +368,19 @@ class LocalCluster:
             self.kubectl("wait", "--for=condition=Ready", "--timeout=60s", *[f"node/{n}" for n in names])
         return names
 
-    def service_account_kubeconfig(self, namespace: str, name: str, *, duration: str = "24h") -> str:
-        """A kubeconfig that authenticates as a ServiceAccount (a bound token), so RBAC applies."""
+    def service_account_kubeconfig(
+        self, namespace: str, name: str, *, duration: str = "24h", pod: tuple[str, str] | None = None
+    ) -> str:
+        """A kubeconfig that authenticates as a ServiceAccount, so RBAC applies. With ``pod`` (name,
+        uid) the token is bound to that pod, as the one a kubelet mounts: the apiserver then knows
+        the pod it comes from, and the token stops working once the pod is gone."""
+        bound = (
+            ["--bound-object-kind=Pod", f"--bound-object-name={pod[0]}", f"--bound-object-uid={pod[1]}"]
+            if pod
+            else []
+        )
         token = self.kubectl(
-            "create", "token", name, "-n", namespace, f"--duration={duration}"
+            "create", "token", name, "-n", namespace, f"--duration={duration}", *bound
         ).stdout.strip()
         return pki.token_kubeconfig(self.server, self.layout.pki, token, namespace=namespace)
 

@@ -24,7 +24,8 @@ SERVICE_ACCOUNT = "tpuft"  # the chart's full name for release "tpuft"
 
 
 def install_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE) -> Path:
-    """Installs the CRD and the chart's ServiceAccount + RBAC; returns a kubeconfig acting as it."""
+    """Installs the CRD and the chart's ServiceAccount, RBAC and progress admission policy; returns a
+    kubeconfig acting as that ServiceAccount."""
     cluster.apply(CRD.read_text())
     cluster.wait_established("tpufinetunes.tpuft.dev")
     cluster.kubectl("create", "namespace", namespace, check=False)
@@ -40,6 +41,8 @@ def install_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE)
             "templates/serviceaccount.yaml",
             "--show-only",
             "templates/rbac.yaml",
+            "--show-only",
+            "templates/progress-policy.yaml",
         ],
         capture_output=True,
         text=True,

@@ -1,7 +1,8 @@
 """Rendering: a TPUFineTune -> every object the operator creates for it. Pure functions, no I/O.
 
 run = render_run(ft, RenderSettings())
-run.objects      # [ServiceAccount, Role, RoleBinding, ConfigMap, JobSet], in creation order
+run.objects             # [ConfigMap, JobSet] (+ a RoleBinding first for a user-named account)
+run.namespace_objects   # the namespace's trainer ServiceAccount + progress Role/RoleBinding, shared
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, parse, validate
 from tpuft_operator.render import naming
-from tpuft_operator.render.identity import identity_objects
+from tpuft_operator.render.identity import namespace_objects, run_objects
 from tpuft_operator.render.jobset import config_map, jobset
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.render.trainer_config import trainer_config
@@ -30,7 +31,7 @@ class RenderedRun:
     config_map: dict[str, Any]
     trainer_config: TrainerConfig
     shape: SliceShape
-    # ServiceAccount (unless the user names one), Role, RoleBinding of the progress channel.
+    # The progress channel's RoleBinding for a user-named pod ServiceAccount; usually empty.
     identity: tuple[dict[str, Any], ...] = ()
 
     @property
@@ -39,8 +40,13 @@ class RenderedRun:
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        """In creation order: the pods' identity and ConfigMap exist before the JobSet makes pods."""
+        """The run's own objects in creation order: the ConfigMap exists before the JobSet makes pods."""
         return [*self.identity, self.config_map, self.jobset]
+
+    @property
+    def namespace_objects(self) -> list[dict[str, Any]]:
+        """Shared by every run of the namespace (created once, before the first run's objects)."""
+        return namespace_objects(str(self.jobset["metadata"]["namespace"]))
 
 
 def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None = None) -> RenderedRun:
@@ -60,7 +66,7 @@ def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None
         config_map=config_map(ft, config.to_yaml()),
         trainer_config=config,
         shape=shape,
-        identity=tuple(identity_objects(ft)),
+        identity=tuple(run_objects(ft)),
     )
 
 

@@ -39,17 +39,24 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 @click.option("-o", "--output", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
 @click.option("--image", default=None, help="Trainer image to use when spec.image is not set.")
 def render(path: Path, fmt: str, image: str | None) -> None:
-    """Print every object the operator would create for a TPUFineTune (ConfigMap, then JobSet).
+    """Print every object the operator would create for a TPUFineTune: the namespace's trainer
+    ServiceAccount and progress Role/RoleBinding (once per namespace), then the ConfigMap and JobSet.
 
     Without metadata.uid (a file not read back from a cluster) the objects carry no ownerReferences.
     """
     settings = RenderSettings(trainer_image=image) if image else RenderSettings()
     objects: list[dict[str, Any]] = []
+    namespaces: set[str] = set()
     for doc in load_documents(path):
         if doc.get("kind") != "TPUFineTune":
             continue
         try:
-            objects += render_run(doc, settings).objects
+            run = render_run(doc, settings)
+            namespace = str(run.jobset["metadata"]["namespace"])
+            if namespace not in namespaces:
+                namespaces.add(namespace)
+                objects += run.namespace_objects
+            objects += run.objects
         except SpecError as error:
             name = (doc.get("metadata") or {}).get("name", "?")
             lines = "\n".join(f"  {e.field}: {e.reason}" for e in error.errors)

@@ -207,7 +207,7 @@ def pod_template(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: Rend
     }
     # The per-run account whose Role may patch only this run's status (progress reports), or the
     # user's own (Workload Identity), which the per-run RoleBinding then binds instead.
-    pod_spec["serviceAccountName"] = naming.pod_service_account(ft.metadata.name, spec.service_account_name)
+    pod_spec["serviceAccountName"] = naming.pod_service_account(spec.service_account_name)
     if spec.priority_class_name is not None:
         pod_spec["priorityClassName"] = spec.priority_class_name
     metadata: Obj = {"labels": common_labels(ft)}

@@ -13,6 +13,8 @@ import hashlib
 import re
 
 REPLICATED_JOB = "slice"
+# The account trainer pods run as unless the user names one (one per namespace; render/identity.py).
+TRAINER_SERVICE_ACCOUNT = "tpuft-trainer"
 # 63 - len("-slice-") - 3 digits of slice index (<= 256 slices) - "-" - 4 digits of host index
 # (<= 2304 hosts in the largest slice) - len("-abcde") of the Job controller's random suffix.
 MAX_JOBSET_NAME = 63 - len(f"-{REPLICATED_JOB}-") - 3 - 1 - 4 - 6
@@ -57,10 +59,10 @@ def coordinator_address(jobset: str) -> str:
 
 
 def progress_identity_name(finetune_name: str) -> str:
-    """ServiceAccount, Role and RoleBinding of the run's progress channel (render/identity.py)."""
+    """The RoleBinding that lets a user-named pod ServiceAccount report progress (render/identity.py)."""
     return f"{jobset_name(finetune_name)}-progress"
 
 
-def pod_service_account(finetune_name: str, user_service_account: str | None) -> str:
-    """The account trainer pods run as: the user's (Workload Identity) or the per-run one."""
-    return user_service_account or progress_identity_name(finetune_name)
+def pod_service_account(user_service_account: str | None) -> str:
+    """The account trainer pods run as: the user's (Workload Identity) or the namespace's trainer one."""
+    return user_service_account or TRAINER_SERVICE_ACCOUNT

@@ -1,0 +1,221 @@
+"""The Reconciler's own bookkeeping (what it remembers between events), with the API recorded.
+
+The behaviour against a real apiserver is in tests/e2e; here the API is a recorder so that the number
+of writes per run, which the benchmark measures at scale, is pinned down exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from tests.unit.test_status import NOW, finetune, pod
+from tpuft_operator import reconcile
+from tpuft_operator.reconcile import Reconciler
+from tpuft_operator.render import RenderSettings
+
+KEY = ("ns", "run")
+
+
+class RecordingApi:
+    """Stands in for k8s.Api: records every call and answers as the apiserver would."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.existing: set[tuple[str, str]] = set()
+        self.resource_version = 100
+
+    def create_or_adopt(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        key = (obj["kind"], obj["metadata"]["name"])
+        created = key not in self.existing
+        self.calls.append(("create" if created else "adopt", obj["kind"]))
+        self.existing.add(key)
+        return {**copy.deepcopy(dict(obj)), "status": {}}, created
+
+    def ensure(self, obj: Mapping[str, Any]) -> bool:
+        self.calls.append(("ensure", obj["kind"]))
+        return True
+
+    def patch_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        self.calls.append(("suspend" if suspend else "resume", "JobSet"))
+
+    def patch_finetune_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+        self.calls.append(("status", str(status.get("phase"))))
+        self.resource_version += 1
+        body = finetune(dict(status))
+        body["metadata"]["resourceVersion"] = str(self.resource_version)
+        return body
+
+    def writes(self) -> list[tuple[str, str]]:
+        return [c for c in self.calls if c[0] != "adopt"]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.posted: list[str] = []
+
+    def __call__(self, type_: str, reason: str, message: str) -> None:
+        self.posted.append(reason)
+
+
+def reconciler(api: RecordingApi, settle: float = 0.0) -> tuple[Reconciler, list[float]]:
+    deferred: list[float] = []
+    r = Reconciler(
+        api=api,  # type: ignore[arg-type]
+        render_settings=RenderSettings(),
+        status_settle_seconds=settle,
+        defer=lambda key, delay: deferred.append(delay),
+    )
+    return r, deferred
+
+
+def new_run() -> dict[str, Any]:
+    body = finetune()
+    body["metadata"]["resourceVersion"] = "1"
+    return body
+
+
+def running_pods() -> list[dict[str, Any]]:
+    return [pod("run-slice-0-0-aaaaa"), pod("run-slice-0-1-bbbbb")]
+
+
+def test_a_new_run_costs_config_jobset_and_one_status_write_with_settling() -> None:
+    api, events = RecordingApi(), Events()
+    r, deferred = reconciler(api, settle=2.0)
+    run = new_run()
+    r.reconcile(run, None, [], event=events)
+    # The JobSet's own watch event: still Pending, still within the settle window -> no write.
+    r.reconcile(run, None, [], event=events)
+    assert len(deferred) == 2 and all(0 < d <= 2.0 for d in deferred)
+    # The pods run: one status write says Running.
+    r.reconcile(run, None, running_pods(), event=events)
+    writes = api.writes()
+    per_run = [w for w in writes if w[0] != "ensure"]
+    assert per_run == [("create", "ConfigMap"), ("create", "JobSet"), ("status", "Running")]
+    # The namespace's shared identity, once.
+    assert [w for w in writes if w[0] == "ensure"] == [
+        ("ensure", "ServiceAccount"),
+        ("ensure", "Role"),
+        ("ensure", "RoleBinding"),
+    ]
+    assert events.posted == ["JobSetCreated", "Running"]
+
+
+def test_without_settling_pending_is_written_at_once() -> None:
+    api = RecordingApi()
+    r, deferred = reconciler(api, settle=0.0)
+    r.reconcile(new_run(), None, [], event=Events())
+    assert ("status", "Pending") in api.calls and not deferred
+
+
+def test_a_settled_run_that_is_still_pending_is_written_when_the_window_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = RecordingApi()
+    r, deferred = reconciler(api, settle=2.0)
+    clock = [1000.0]
+    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    run = new_run()
+    r.reconcile(run, None, [], event=Events())
+    assert deferred == [2.0] and not [c for c in api.calls if c[0] == "status"]
+    clock[0] += 2.5  # the deferred reconcile
+    r.reconcile(run, None, [], event=Events())
+    assert [c for c in api.calls if c[0] == "status"] == [("status", "Pending")]
+
+
+def test_an_event_before_the_jobset_reaches_the_index_does_not_create_it_again() -> None:
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    run = new_run()
+    r.reconcile(run, None, [], event=Events())
+    # The run's status patch comes back as an event while the JobSet index is still empty.
+    r.reconcile(run, None, [], event=Events())
+    assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet")]
+
+
+def test_a_deleted_jobset_is_recreated() -> None:
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    run = new_run()
+    r.reconcile(run, None, [], event=Events())
+    api.existing.clear()  # someone deleted the JobSet (and the ConfigMap)
+    r.jobset_deleted(KEY)
+    events = Events()
+    r.reconcile(run, None, [], event=events)
+    assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet"), ("create", "JobSet")]
+    assert "JobSetRecreated" in events.posted
+
+
+def test_the_render_is_reused_until_the_spec_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    renders: list[int] = []
+    real = reconcile.render_run
+    monkeypatch.setattr(reconcile, "render_run", lambda ft, settings: renders.append(1) or real(ft, settings))
+    run = new_run()
+    for _ in range(5):
+        r.reconcile(run, None, running_pods(), event=Events())
+    assert len(renders) == 1
+    changed = copy.deepcopy(run)
+    changed["metadata"].update(generation=changed["metadata"]["generation"] + 1, resourceVersion="1000")
+    changed["spec"]["suspend"] = True
+    r.reconcile(changed, None, running_pods(), event=Events())
+    assert len(renders) == 2
+
+
+def test_the_namespace_identity_is_ensured_once_per_namespace() -> None:
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    for name in ("a", "b", "c"):
+        run = new_run()
+        run["metadata"].update(name=name, uid=f"u-{name}")
+        r.reconcile(run, None, [], event=Events())
+    assert len([c for c in api.calls if c[0] == "ensure"]) == 3
+    assert len([c for c in api.calls if c == ("create", "JobSet")]) == 3
+
+
+def test_slim_index_entries_derive_the_same_status_as_full_bodies() -> None:
+    from tpuft_operator.handlers import slim_finetune, slim_jobset, slim_pod
+    from tpuft_operator.status import Observed, derive_status
+
+    run = new_run()
+    run["metadata"].update(
+        managedFields=[{"manager": "kubectl"}] * 3,
+        annotations={"kubectl.kubernetes.io/last-applied-configuration": "{...}" * 100},
+    )
+    jobset = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "metadata": {"name": "run", "namespace": "ns", "uid": "j", "managedFields": [{}]},
+        "spec": {"suspend": False, "replicatedJobs": [{"name": "slice", "template": {}}]},
+        "status": {
+            "restarts": 1,
+            "conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs"}],
+        },
+    }
+    failed = pod("run-slice-0-0-aaaaa", phase="Failed", ready=False)
+    failed["status"]["containerStatuses"] = [{"state": {"terminated": {"exitCode": 65}}}]
+    failed.update(spec={"containers": [{"name": "trainer"}]})
+    pods = [failed, pod("run-slice-0-1-bbbbb")]
+
+    def derived(ft: dict[str, Any], js: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, Any]:
+        return derive_status(Observed(finetune=ft, jobset=js, pods=ps, chips=8, hosts=2, now=NOW))
+
+    full = derived(run, jobset, pods)
+    slim = derived(slim_finetune(run), slim_jobset(jobset), [slim_pod(p) for p in pods])
+    assert slim == full and full["phase"] == "Failed" and "exit code 65" in full["message"]
+    assert "managedFields" not in slim_finetune(run)["metadata"]
+    assert "spec" not in slim_pod(failed)
+
+
+def test_a_first_status_that_is_unschedulable_posts_the_unschedulable_warning() -> None:
+    api, events = RecordingApi(), Events()
+    r, _ = reconciler(api, settle=0.0)
+    stuck = pod("run-slice-0-0-aaaaa", phase="Pending", ready=False)
+    stuck["status"]["conditions"].append(
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}
+    )
+    r.reconcile(new_run(), None, [stuck], event=events)
+    assert events.posted == ["JobSetCreated", "Unschedulable"]
