@@ -140,13 +140,16 @@ class Reconciler:
         """Creates the namespace's shared trainer identity once (render/identity.py); after that,
         only every NAMESPACE_IDENTITY_RECHECK seconds, so a deleted one comes back."""
         namespace = str(rendered.jobset["metadata"]["namespace"])
-        checked = self._namespaces.get(namespace)
-        if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
-            return
-        for obj in rendered.namespace_objects:
-            if self.api.ensure(obj):
-                self.log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
-        self._namespaces[namespace] = time.monotonic()
+        # One reconcile per namespace does it; the burst of first runs in a namespace waits for it
+        # instead of racing to create the same three objects (each racer would get 409s).
+        with self._lock(("", namespace)):
+            checked = self._namespaces.get(namespace)
+            if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
+                return
+            for obj in rendered.namespace_objects:
+                if self.api.ensure(obj):
+                    self.log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
+            self._namespaces[namespace] = time.monotonic()
 
     def _settling(self, key: tuple[str, str], derived: Mapping[str, Any], current: Obj) -> float:
         """Seconds to hold back this run's first status after creating its JobSet, else 0.

@@ -219,3 +219,30 @@ def test_a_first_status_that_is_unschedulable_posts_the_unschedulable_warning() 
     )
     r.reconcile(new_run(), None, [stuck], event=events)
     assert events.posted == ["JobSetCreated", "Unschedulable"]
+
+
+def test_concurrent_first_runs_of_a_namespace_create_its_identity_once() -> None:
+    import threading
+    import time
+
+    class SlowApi(RecordingApi):
+        def ensure(self, obj: Mapping[str, Any]) -> bool:
+            time.sleep(0.05)  # as slow as an RBAC create: the other runs arrive meanwhile
+            return super().ensure(obj)
+
+    api = SlowApi()
+    r, _ = reconciler(api)
+    runs = []
+    for i in range(8):
+        run = new_run()
+        run["metadata"].update(name=f"r{i}", uid=f"u-{i}")
+        runs.append(run)
+    threads = [
+        threading.Thread(target=r.reconcile, args=(run, None, []), kwargs={"event": Events()}) for run in runs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len([c for c in api.calls if c[0] == "ensure"]) == 3
+    assert len([c for c in api.calls if c == ("create", "JobSet")]) == 8

@@ -2,8 +2,9 @@
 
 The channel: the process with global rank 0 merge-patches the ``status`` subresource of the one
 TPUFineTune named in ``config.progress`` with ``{"status": {"progress": {...}}}``, authenticated as the
-pod's ServiceAccount (in-cluster config; ``$KUBECONFIG`` outside a cluster). The operator gives each run
-a ServiceAccount whose Role may patch only that resource's status. Updates are throttled to one per
+pod's own token (in-cluster config; ``$KUBECONFIG`` outside a cluster). That token is bound to the pod, and
+the operator's admission policy lets it change only ``status.progress`` of the pod's own run (see
+docs/operator.md, "Progress channel"). Updates are throttled to one per
 ``min_interval_seconds`` (the final one always goes out). Reporting NEVER raises into training: a
 missing client, an absent resource or a denied patch logs one warning and the run goes on.
 """
