@@ -20,7 +20,7 @@ from tpuft_operator import metrics
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.k8s import Api, ApiError
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
-from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, status_patch
+from tpuft_operator.status import Observed, derive_status, is_final, status_patch
 
 Obj = Mapping[str, Any]
 # (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
@@ -40,7 +40,7 @@ def decide(finetune: Obj, rendered: RenderedRun | None, jobset: Obj | None) -> D
     if rendered is None:
         return Decision()  # invalid spec: nothing to create; status says why
     status = finetune.get("status") or {}
-    if status.get("phase") in TERMINAL_PHASES:
+    if is_final(finetune, jobset):
         return Decision()  # finished runs are never restarted or recreated
     if jobset is None:
         return Decision(create=True, recreated=bool(status.get("jobSetName")))
