@@ -235,6 +235,14 @@ class Reconciler:
         elif _became_unschedulable(current, derived):
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
+        if int(patch.get("restarts") or 0) > int(current.get("restarts") or 0):
+            # Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running.
+            message = (
+                f"JobSet {derived.get('jobSetName')} restarted all its slices (restart {patch['restarts']}): "
+                "a TPU host failed, was preempted or lost its node (not a user error)"
+            )
+            log.warning("%s", message)
+            event("Warning", "JobSetRestarted", message)
 
 
 def _became_unschedulable(current: Obj, derived: Obj) -> bool:
