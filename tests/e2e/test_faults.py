@@ -28,7 +28,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ ROUNDS = int(os.environ.get("TPUFT_CHAOS_ROUNDS", "1"))
 SEED = int(os.environ.get("TPUFT_CHAOS_SEED", str(int(time.time()))))
 NAMESPACE = "faults"
 RUNS_IN_FLIGHT = 50  # before the first fault; each round adds the runs below
-BURST_DURING_SIGKILL = 4
+BURST_DURING_SIGKILL = 6
 CREATED_DURING_JOBSET_OUTAGE = 2
 JOBSET_CONTROLLER_OUTAGE_SECONDS = 20
 APISERVER_OUTAGE_SECONDS = 30
@@ -197,28 +197,34 @@ class Ledger:
     def __post_init__(self) -> None:
         self.log = OperatorLog(self.operator.log_path)
 
-    def create(self, count: int) -> list[str]:
+    def create(self, count: int, during: Callable[[], None] | None = None) -> list[str]:
+        """Creates ``count`` runs with one `kubectl apply`; ``during`` is called while it runs."""
         names = [f"run-{len(self.runs) + i:03d}" for i in range(count)]
         for name in names:
             self.runs[name] = Expected()
-        # While a component is down the apiserver may refuse; the runs are created when it is back.
-        wait_for(
-            lambda: (
-                self.cluster.kubectl(
-                    "apply",
-                    "-f",
-                    "-",
-                    input=json.dumps(
-                        {"apiVersion": "v1", "kind": "List", "items": [run_body(n) for n in names]}
-                    ),
-                    check=False,
-                ).returncode
-                == 0
-            ),
-            timeout=120,
-            what="the runs to be created",
-            interval=2,
-        )
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": [run_body(n) for n in names]})
+        command = [
+            str(self.cluster.bins.kubectl),
+            f"--kubeconfig={self.cluster.kubeconfig}",
+            "apply",
+            "-f",
+            "-",
+        ]
+        with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL) as apply:
+            assert apply.stdin is not None
+            apply.stdin.write(body.encode())
+            apply.stdin.close()
+            if during is not None:
+                during()
+            applied = apply.wait(timeout=120) == 0
+        if not applied:
+            # While a component is down the apiserver may refuse; the runs are created when it is back.
+            wait_for(
+                lambda: self.cluster.kubectl("apply", "-f", "-", input=body, check=False).returncode == 0,
+                timeout=120,
+                what="the runs to be created",
+                interval=2,
+            )
         return names
 
     def pick_victims(self, count: int) -> list[str]:
@@ -381,10 +387,13 @@ def sigkill_the_operator_during_a_burst(
     ledger: Ledger, cluster: LocalCluster, operator: OperatorProcess
 ) -> None:
     offset = ledger.log.offset()
-    burst = ledger.create(BURST_DURING_SIGKILL)
-    kill_after = round(ledger.rng.uniform(0.0, 2.0), 2)
-    time.sleep(kill_after)
-    operator.kill()
+    kill_after = round(ledger.rng.uniform(0.0, 1.5), 2)
+
+    def kill_at_a_random_moment() -> None:
+        time.sleep(kill_after)  # the operator is busy creating the burst's objects
+        operator.kill()
+
+    burst = ledger.create(BURST_DURING_SIGKILL, during=kill_at_a_random_moment)
     existing = {js["metadata"]["name"] for js in get_json(cluster, "jobsets", "-n", NAMESPACE)["items"]}
     created_before_kill = sum(naming.jobset_name(run) in existing for run in burst)
     time.sleep(3)
