@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from tpuft_operator.reconcile import Decision, decide
+from tpuft_operator.reconcile import Decision, Reconciler, decide
 from tpuft_operator.render import render_run
 from tpuft_operator.status import Observed, derive_status, status_patch
 
@@ -262,3 +263,16 @@ def test_a_terminal_phase_stands_when_its_jobset_finished_or_is_gone() -> None:
         assert status["phase"] == "Failed" and status["message"] == "kept" and status["completionTime"] == "x"
         rendered = render_run({k: ft[k] for k in ("apiVersion", "kind", "metadata", "spec")})
         assert decide(ft, rendered, js) == Decision()  # in particular: a deleted JobSet is not recreated
+
+
+def test_a_rising_restart_count_is_logged_and_posted_as_an_event(caplog: pytest.LogCaptureFixture) -> None:
+    # Without it a preemption shows in the operator's log only as Running -> Pending -> Running.
+    posted: list[tuple[str, str, str]] = []
+    current = {"phase": "Running", "restarts": 0, "jobSetName": "run"}
+    derived = {**current, "restarts": 1}
+    with caplog.at_level(logging.WARNING):
+        Reconciler._post_transition_events(
+            current, derived, {"restarts": 1}, lambda *e: posted.append(e), logging.getLogger("t")
+        )
+    assert [(kind, reason) for kind, reason, _ in posted] == [("Warning", "JobSetRestarted")]
+    assert "JobSet run restarted all its slices (restart 1)" in caplog.text
