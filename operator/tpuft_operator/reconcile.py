@@ -20,7 +20,7 @@ from tpuft_operator import metrics
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.k8s import Api, ApiError
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
-from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, status_patch
+from tpuft_operator.status import Observed, derive_status, is_final, status_patch
 
 Obj = Mapping[str, Any]
 # How often the shared per-namespace progress identity is re-checked (it is created once).
@@ -42,7 +42,7 @@ def decide(finetune: Obj, rendered: RenderedRun | None, jobset: Obj | None) -> D
     if rendered is None:
         return Decision()  # invalid spec: nothing to create; status says why
     status = finetune.get("status") or {}
-    if status.get("phase") in TERMINAL_PHASES:
+    if is_final(finetune, jobset):
         return Decision()  # finished runs are never restarted or recreated
     if jobset is None:
         return Decision(create=True, recreated=bool(status.get("jobSetName")))
@@ -325,6 +325,14 @@ class Reconciler:
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
+        if int(patch.get("restarts") or 0) > int(current.get("restarts") or 0):
+            # Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running.
+            message = (
+                f"JobSet {derived.get('jobSetName')} restarted all its slices (restart {patch['restarts']}): "
+                "a TPU host failed, was preempted or lost its node (not a user error)"
+            )
+            log.warning("%s", message)
+            event("Warning", "JobSetRestarted", message)
 
 
 def _became_unschedulable(current: Obj, derived: Obj) -> bool:

@@ -10,6 +10,9 @@ The phase machine (one transition a line; "terminal" phases never change again):
     Succeeded  <- the JobSet completed (terminal)
     Failed     <- the JobSet failed: a user error, or restarts exhausted (terminal)
 
+A terminal phase is final only while no active JobSet contradicts it (see `is_final`): one written by
+hand next to a running JobSet is derived again from what is observed.
+
 It reads only its input, so a restarted operator derives the same status from the same cluster,
 and it never writes `status.progress` (the trainer owns that field).
 """
@@ -55,6 +58,20 @@ def _condition(obj: Obj | None, type_: str) -> Obj | None:
 def _is_true(obj: Obj | None, type_: str) -> bool:
     cond = _condition(obj, type_)
     return bool(cond and cond.get("status") == "True")
+
+
+def _jobset_finished(jobset: Obj) -> bool:
+    return _is_true(jobset, "Completed") or _is_true(jobset, "Failed")
+
+
+def is_final(finetune: Obj, jobset: Obj | None) -> bool:
+    """Whether the run's terminal phase stands: nothing is recreated and the status stays as first
+    derived. The operator writes a terminal phase only once the JobSet finished (or, for an invalid
+    spec, without one), so a terminal phase next to a JobSet that has not finished was written by
+    someone else (`kubectl patch --subresource=status`): believing it would freeze a run whose TPUs
+    are still busy, so the status is derived again from the cluster instead."""
+    phase = (finetune.get("status") or {}).get("phase")
+    return phase in TERMINAL_PHASES and (jobset is None or _jobset_finished(jobset))
 
 
 def _timestamp(now: datetime) -> str:
@@ -112,12 +129,12 @@ def _derive_phase(obs: Observed) -> _Derived:
         message = f"{path}: {reason}"
         return _Derived("Failed", "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
     valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
-    if previous_phase in TERMINAL_PHASES:
+    if is_final(obs.finetune, obs.jobset):
         # Final means final: the phase, message and conditions of a finished run stay as first derived,
         # even when its JobSet or pods are gone later (deleted by someone, GC, namespace deletion) and
         # the exit code that explained a failure can no longer be seen.
         status = obs.finetune.get("status") or {}
-        return _Derived(previous_phase, "Finished", status.get("message") or "", {})
+        return _Derived(str(previous_phase), "Finished", status.get("message") or "", {})
     jobset = obs.jobset
     if jobset is None:
         if obs.creation_error is not None:
@@ -253,6 +270,8 @@ def derive_status(obs: Observed) -> dict[str, Any]:
         completion = _timestamp(obs.now)
     if completion is not None and derived.phase in TERMINAL_PHASES:
         status["completionTime"] = completion
+    elif completion is not None:
+        status["completionTime"] = None  # a hand-set terminal phase was overruled; merge-patch null deletes
     return status
 
 

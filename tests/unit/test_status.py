@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from tpuft_operator.reconcile import Decision, decide
+from tpuft_operator.reconcile import Decision, Reconciler, decide
 from tpuft_operator.render import render_run
 from tpuft_operator.status import Observed, derive_status, status_patch
 
@@ -232,3 +233,46 @@ def test_a_finished_run_keeps_its_first_explanation_when_its_pods_are_gone() -> 
     later = derive(finetune(first), failed_js, [])  # the pods were deleted since
     assert later["message"] == first["message"]
     assert status_patch(first, later) is None
+
+
+@pytest.mark.parametrize("hand_set_phase", ["Failed", "Succeeded"])
+def test_a_terminal_phase_written_by_hand_next_to_an_active_jobset_is_derived_again(
+    hand_set_phase: str,
+) -> None:
+    # Found by the fault suite: `kubectl patch --subresource=status` setting Failed or Succeeded on a
+    # running run froze it (no reconcile would ever change it again) while its JobSet kept its TPUs.
+    edited = finetune(
+        {"phase": hand_set_phase, "message": "edited by hand", "jobSetName": "run", "completionTime": "x"}
+    )
+    active = jobset(restarts=1)
+    status = derive(edited, active, [pod("a"), pod("b")])
+    assert status["phase"] == "Running" and status["restarts"] == 1
+    assert status["completionTime"] is None  # merge-patching null removes the stale field
+    assert (
+        decide(edited, render_run({k: edited[k] for k in ("apiVersion", "kind", "metadata", "spec")}), active)
+        == Decision()
+    )
+
+
+def test_a_terminal_phase_stands_when_its_jobset_finished_or_is_gone() -> None:
+    failed_js = jobset(conditions=[{"type": "Failed", "status": "True", "reason": "FailedJobs"}])
+    done_js = jobset(conditions=[{"type": "Completed", "status": "True"}])
+    for js in (failed_js, done_js, None):
+        ft = finetune({"phase": "Failed", "message": "kept", "jobSetName": "run", "completionTime": "x"})
+        status = derive(ft, js)
+        assert status["phase"] == "Failed" and status["message"] == "kept" and status["completionTime"] == "x"
+        rendered = render_run({k: ft[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+        assert decide(ft, rendered, js) == Decision()  # in particular: a deleted JobSet is not recreated
+
+
+def test_a_rising_restart_count_is_logged_and_posted_as_an_event(caplog: pytest.LogCaptureFixture) -> None:
+    # Without it a preemption shows in the operator's log only as Running -> Pending -> Running.
+    posted: list[tuple[str, str, str]] = []
+    current = {"phase": "Running", "restarts": 0, "jobSetName": "run"}
+    derived = {**current, "restarts": 1}
+    with caplog.at_level(logging.WARNING):
+        Reconciler._post_transition_events(
+            current, derived, {"restarts": 1}, lambda *e: posted.append(e), logging.getLogger("t")
+        )
+    assert [(kind, reason) for kind, reason, _ in posted] == [("Warning", "JobSetRestarted")]
+    assert "JobSet run restarted all its slices (restart 1)" in caplog.text
