@@ -246,3 +246,14 @@ def test_concurrent_first_runs_of_a_namespace_create_its_identity_once() -> None
         t.join()
     assert len([c for c in api.calls if c[0] == "ensure"]) == 3
     assert len([c for c in api.calls if c == ("create", "JobSet")]) == 8
+
+
+def test_a_lagging_index_never_causes_a_second_create() -> None:
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    run = new_run()
+    r.reconcile(run, None, [], event=Events())
+    created = {"metadata": {"name": "run", "namespace": "ns"}, "spec": {}, "status": {}}
+    r.reconcile(run, created, [], event=Events())  # the index has it ...
+    r.reconcile(run, None, [], event=Events())  # ... and a lagging copy of the index does not
+    assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet")]

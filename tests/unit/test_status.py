@@ -276,3 +276,16 @@ def test_a_rising_restart_count_is_logged_and_posted_as_an_event(caplog: pytest.
         )
     assert [(kind, reason) for kind, reason, _ in posted] == [("Warning", "JobSetRestarted")]
     assert "JobSet run restarted all its slices (restart 1)" in caplog.text
+
+
+def test_a_finished_run_derived_again_needs_no_patch() -> None:
+    running = derive(finetune(), jobset(), [pod("a"), pod("b")])
+    done = derive(finetune(running), jobset(conditions=[{"type": "Completed", "status": "True"}]))
+    assert done["phase"] == "Succeeded"
+    finished = finetune(done)
+    # Every later event of a finished run (its pods going away, a resync) derives the same status.
+    assert (
+        status_patch(done, derive(finished, jobset(conditions=[{"type": "Completed", "status": "True"}])))
+        is None
+    )
+    assert status_patch(done, derive(finished, None)) is None
