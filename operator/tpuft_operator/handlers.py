@@ -25,7 +25,7 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.settings import OperatorSettings
-from tpuft_operator.status import TERMINAL_PHASES
+from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL, is_final
 
 FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
 JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
@@ -78,8 +78,15 @@ def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
     status = body.get("status") or {}
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    attempt_labels = {k: labels[k] for k in (JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL) if k in labels}
     return {
-        "metadata": {"name": (body.get("metadata") or {}).get("name")},
+        "metadata": {
+            "name": meta.get("name"),
+            "labels": attempt_labels,
+            **({"deletionTimestamp": meta["deletionTimestamp"]} if meta.get("deletionTimestamp") else {}),
+        },
         "status": {k: status[k] for k in ("phase", "conditions", "containerStatuses") if k in status},
     }
 
@@ -156,11 +163,10 @@ async def reconcile_from_indexes(
     finetune = _latest(finetune_index, index_key)
     if finetune is None:
         return
-    if skip_finished and (finetune.get("status") or {}).get("phase") in TERMINAL_PHASES:
-        return
-    call = functools.partial(
-        contextvars.copy_context().run, _run, memo, finetune, _latest(jobset_index, index_key), pod_index, log
-    )
+    jobset = _latest(jobset_index, index_key)
+    if skip_finished and is_final(finetune, jobset):
+        return  # (a terminal phase written by hand next to a running JobSet is not final: retried)
+    call = functools.partial(contextvars.copy_context().run, _run, memo, finetune, jobset, pod_index, log)
     await asyncio.get_running_loop().run_in_executor(state.executor, call)
 
 

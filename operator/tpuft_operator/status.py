@@ -85,6 +85,34 @@ def _pod_running(pod: Obj) -> bool:
     return (phase == "Running" and _is_true(pod, "Ready")) or phase == "Succeeded"
 
 
+JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
+RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+
+
+def current_pods(pods: Sequence[Obj], jobset: Obj | None) -> list[Obj]:
+    """The pods of the JobSet's current attempt: not of a deleted (and recreated) JobSet, not of an
+    earlier restart, not being deleted. Those linger for seconds and would make a restarted or
+    recreated run look Running before its new pods are. Labels absent (not made by JobSet): kept."""
+    if jobset is None:
+        return list(pods)
+    uid = (jobset.get("metadata") or {}).get("uid")
+    attempt = int((jobset.get("status") or {}).get("restarts") or 0)
+    kept = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        if uid and labels.get(JOBSET_UID_LABEL, uid) != uid:
+            continue
+        # A newer attempt than the JobSet we hold is fine (our copy of the JobSet may lag).
+        pod_attempt = labels.get(RESTART_ATTEMPT_LABEL)
+        if pod_attempt is not None and pod_attempt.isdigit() and int(pod_attempt) < attempt:
+            continue
+        kept.append(pod)
+    return kept
+
+
 def _unschedulable_message(pods: Sequence[Obj]) -> str | None:
     for pod in pods:
         cond = _condition(pod, "PodScheduled")
@@ -154,7 +182,7 @@ def _derive_phase(obs: Observed) -> _Derived:
         )
     if _is_true(jobset, "Failed"):
         cond = _condition(jobset, "Failed") or {}
-        failure = _terminated_exit(obs.pods)
+        failure = _terminated_exit(current_pods(obs.pods, jobset))
         if failure and is_user_error(failure[1]):
             pod, code = failure
             message = (
@@ -180,7 +208,8 @@ def _derive_phase(obs: Observed) -> _Derived:
         return _Derived("Queued", "Queued", message, {**valid, "Suspended": ("True", "Queued", message)})
     not_suspended = {"Suspended": ("False", "Resumed", "not suspended")}
     expected = obs.hosts or 0
-    running = [pod for pod in obs.pods if _pod_running(pod)]
+    pods = current_pods(obs.pods, jobset)
+    running = [pod for pod in pods if _pod_running(pod)]
     if expected and len(running) >= expected:
         message = f"{len(running)}/{expected} TPU hosts running"
         return _Derived(
@@ -194,7 +223,7 @@ def _derive_phase(obs: Observed) -> _Derived:
                 "Running": ("True", "Running", message),
             },
         )
-    unschedulable = _unschedulable_message(obs.pods)
+    unschedulable = _unschedulable_message(pods)
     if unschedulable:
         message = (
             f"no node pool can take the TPU pods: they need nodes with "

@@ -289,3 +289,24 @@ def test_a_finished_run_derived_again_needs_no_patch() -> None:
         is None
     )
     assert status_patch(done, derive(finished, None)) is None
+
+
+def test_pods_of_an_earlier_attempt_or_a_deleted_jobset_do_not_count() -> None:
+    def labelled(name: str, uid: str, attempt: int, **meta: Any) -> dict[str, Any]:
+        p = pod(name)
+        p["metadata"].update(
+            labels={"jobset.sigs.k8s.io/jobset-uid": uid, "jobset.sigs.k8s.io/restart-attempt": str(attempt)},
+            **meta,
+        )
+        return p
+
+    js = jobset(restarts=1)
+    js["metadata"]["uid"] = "js-2"
+    stale = [
+        labelled("old-attempt", "js-2", 0),
+        labelled("old-jobset", "js-1", 1),
+        labelled("deleting", "js-2", 1, deletionTimestamp="2026-11-30T12:00:00Z"),
+    ]
+    assert derive(finetune(), js, stale)["phase"] == "Pending"
+    current = [labelled("a", "js-2", 1), labelled("b", "js-2", 2)]  # "b": our JobSet copy lags
+    assert derive(finetune(), js, stale + current)["phase"] == "Running"
