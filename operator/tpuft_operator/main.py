@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 import click
 import kopf
@@ -47,6 +47,21 @@ def _options(command: Any) -> Any:
     return command
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's "essence" of each object feeds only change-detecting handlers, and we register none
+    (every reconcile is level-triggered). The default storage builds it anyway by deep-copying the
+    whole body of every watch event: 12% of the operator's CPU at N=300 (bench, py-spy)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return cast(kopf.BodyEssence, {})
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSettings) -> None:
     """Production defaults: watches that cannot stall, bounded backoff, no log spam as Events."""
     kopf_settings.watching.server_timeout = settings.watch_server_timeout
@@ -59,6 +74,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     # kopf must not write anything on our objects: we use no change-detecting handlers, and
     # keeping its bookkeeping in annotations would show up as drift in GitOps tools.
     kopf_settings.persistence.finalizer = "tpuft.dev/unused-finalizer"
+    kopf_settings.persistence.diffbase_storage = NoDiffBase()
     kopf_settings.execution.max_workers = settings.workers
     kopf_settings.peering.standalone = True
     if settings.namespaces:
