@@ -390,7 +390,8 @@ def test_rendered_pods_schedule_only_on_their_shape(
     try:
         # First only pools of another shape: the pods are created and the scheduler refuses them.
         wrong = add_pools(local_cluster, case["wrong"], f"{prefix}-w", pool_set)
-        local_cluster.apply(run.objects, field_manager="tpuft-operator")
+        # What the operator makes: the namespace's trainer identity (once), then the run's objects.
+        local_cluster.apply([*run.namespace_objects, *run.objects], field_manager="tpuft-operator")
 
         def refused() -> list[dict[str, Any]]:
             pods = jobset_pods(local_cluster, namespace, run.jobset_name)

@@ -115,9 +115,14 @@ def test_unschedulable_until_a_matching_pool_appears(
     assert pending["status"]["phase"] == "Pending"
     message = condition(pending, "Scheduled")["message"]  # type: ignore[index]
     assert "tpu-v4-podslice" in message and "2x2x4" in message
+    # The event carries the scheduler's words at the time (the node count in them changes when other
+    # pools come and go), so match what it must say rather than the condition's latest text.
     wait_for(
-        lambda: ("Unschedulable", message) in events(local_cluster, namespace, "wait-pool"),
-        timeout=15,
+        lambda: any(
+            reason == "Unschedulable" and "tpu-v4-podslice" in text and "2x2x4" in text
+            for reason, text in events(local_cluster, namespace, "wait-pool")
+        ),
+        timeout=30,
         what="the Unschedulable event",
     )
 
