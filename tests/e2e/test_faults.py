@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TEST_CLUSTER
-from tests.support import get_json, wait_for
+from tests.support import finetune, get_json, wait_for
 from tpuft_operator.cluster import kwok
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import OperatorProcess, install_operator
@@ -69,22 +69,15 @@ TRACEBACK = "Traceback (most recent call last)"
 
 
 def run_body(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"name": "google/gemma-2-2b"},
-            "dataset": {"name": "tatsu-lab/alpaca"},
-            "tpu": {"type": "v5p", "topology": "2x2x1"},  # one host per run
-            "training": {"maxSteps": 10},
-            "output": {"uri": "gs://my-bucket/out"},
-            # Room for the one restart a preemption or an infrastructure exit causes.
-            "maxRestarts": 3,
-            # In flight for the whole suite.
-            "podAnnotations": kwok.hold_running("3600s"),
-        },
-    }
+    return finetune(
+        name,
+        NAMESPACE,
+        tpu={"type": "v5p", "topology": "2x2x1"},  # one host per run
+        # In flight for the whole suite.
+        pod_annotations=kwok.hold_running("3600s"),
+        # Room for the one restart a preemption or an infrastructure exit causes.
+        maxRestarts=3,
+    )
 
 
 @pytest.fixture(scope="module")
