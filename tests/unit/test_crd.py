@@ -68,3 +68,10 @@ def test_names_printer_columns_and_status() -> None:
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == ["Phase", "Type", "Topology", "Slices", "Progress", "Age"]
+
+
+def test_the_reference_states_bounds_in_the_right_direction() -> None:
+    from tpuft_operator.api.reference import api_markdown
+
+    dropout = next(line for line in api_markdown().splitlines() if line.startswith("| `dropout`"))
+    assert "(>= 0.0; < 1.0)" in dropout, dropout  # exclusive maximum: dropout 1.0 drops everything

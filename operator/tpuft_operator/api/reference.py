@@ -39,7 +39,7 @@ def _bounds(node: Schema) -> str:
     if "minimum" in node:
         parts.append((">" if node.get("exclusiveMinimum") else ">=") + f" {node['minimum']}")
     if "maximum" in node:
-        parts.append((">" if node.get("exclusiveMaximum") else "<=") + f" {node['maximum']}")
+        parts.append(("<" if node.get("exclusiveMaximum") else "<=") + f" {node['maximum']}")
     if "maxLength" in node:
         parts.append(f"at most {node['maxLength']} characters")
     if "maxItems" in node:
