@@ -141,6 +141,22 @@ class Reconciler:
             return None
         return remembered[1]
 
+    def _adopt_unrecorded(
+        self,
+        key: tuple[str, str],
+        finetune: Obj,
+        jobset: Obj,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        """Says so when this process takes over a JobSet that no status records.
+
+        That is a JobSet an earlier life of the operator created and died (or was killed) before
+        writing the run's status: without this line the log would never mention the JobSet."""
+        if key in self._jobsets or (finetune.get("status") or {}).get("jobSetName"):
+            return
+        self._jobsets[key] = (str(finetune["metadata"].get("uid")), jobset)
+        log.info("adopted existing JobSet %s", jobset["metadata"]["name"])
+
     def _ensure_namespace_identity(self, rendered: RenderedRun) -> None:
         """Creates the namespace's shared trainer identity once (render/identity.py); after that,
         only every NAMESPACE_IDENTITY_RECHECK seconds, so a deleted one comes back."""
@@ -224,6 +240,8 @@ class Reconciler:
             rendered = result
 
         decision = decide(finetune, rendered, jobset)
+        if jobset is not None and not decision.create:
+            self._adopt_unrecorded(key, finetune, jobset, log)
         creation_error: ApiError | None = None
         if decision.create and rendered is not None:
             try:

@@ -257,3 +257,27 @@ def test_a_lagging_index_never_causes_a_second_create() -> None:
     r.reconcile(run, created, [], event=Events())  # the index has it ...
     r.reconcile(run, None, [], event=Events())  # ... and a lagging copy of the index does not
     assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet")]
+
+
+def test_a_jobset_no_status_records_is_adopted_and_said_so(caplog: pytest.LogCaptureFixture) -> None:
+    """An earlier operator created the JobSet and was killed before writing the run's status."""
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    created = {"metadata": {"name": "run", "namespace": "ns"}, "spec": {}, "status": {}}
+    with caplog.at_level("INFO", logger="tpuft.reconcile"):
+        r.reconcile(new_run(), created, [], event=Events())
+        r.reconcile(new_run(), created, [], event=Events())  # said once, not at every event
+    assert [rec.getMessage() for rec in caplog.records if "adopted" in rec.getMessage()] == [
+        "adopted existing JobSet run"
+    ]
+    assert not [c for c in api.calls if c[1] == "JobSet"]
+
+
+def test_a_jobset_the_status_records_is_not_called_adopted(caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted operator continuing a run it had written status for has nothing to say about it."""
+    r, _ = reconciler(RecordingApi())
+    run = finetune({"phase": "Running", "jobSetName": "run"})
+    created = {"metadata": {"name": "run", "namespace": "ns"}, "spec": {}, "status": {}}
+    with caplog.at_level("INFO", logger="tpuft.reconcile"):
+        r.reconcile(run, created, running_pods(), event=Events())
+    assert not [rec for rec in caplog.records if "adopted" in rec.getMessage()]
