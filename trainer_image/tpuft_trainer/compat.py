@@ -64,6 +64,30 @@ def gather_state_dict(model: Any) -> dict[str, Any]:
     return state
 
 
+def _is_peft(module: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def save_peft_adapter(peft_model: Any, state: dict[str, Any], output_dir: str) -> None:
+    """Writes only the adapter (and its config), with the names an unwrapped PeftModel loads.
+
+    peft (0.21) picks the adapter's entries by the names of its LoRA modules, and under FSDPv2 those
+    carry the '_orig_module.' of the decoder blocks wrapped inside the PeftModel: given the plain names
+    of `gather_state_dict` it matched nothing and wrote an empty adapter (and the merged model was the
+    base model). So peft gets the names as it sees them, and the file is rewritten with plain names."""
+    from safetensors.torch import load_file, save_file
+
+    as_peft_sees_them = {key: state[_strip_wrapper_prefixes(key)] for key in peft_model.state_dict()}
+    peft_model.save_pretrained(output_dir, state_dict=as_peft_sees_them, safe_serialization=True)
+    path = os.path.join(output_dir, "adapter_model.safetensors")
+    adapter = load_file(path)
+    if not adapter:
+        raise RuntimeError(f"peft wrote an empty adapter to {path}: no LoRA weights matched")
+    save_file({_strip_wrapper_prefixes(k): v for k, v in adapter.items()}, path, metadata={"format": "pt"})
+
+
 def _batch_spec(mesh: Any, ndim: int) -> tuple[Any, ...]:
     from tpuft_trainer.mesh import BATCH_AXES
 
@@ -166,8 +190,10 @@ def _save_reloadable(original: Callable[..., Any]) -> Callable[..., Any]:
         if args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             torch.save(args, os.path.join(output_dir, "training_args.bin"))
-            # The wrapped module is the PreTrainedModel (or PeftModel: then only the adapter is written).
-            model.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            if _is_peft(model.module):
+                save_peft_adapter(model.module, state, output_dir)
+            else:
+                model.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
             if processing_class is not None:
                 processing_class.save_pretrained(output_dir)
         return None
