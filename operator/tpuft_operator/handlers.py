@@ -1,9 +1,11 @@
-"""kopf registrations, and nothing else: every handler is a few lines calling the Reconciler.
+"""kopf registrations and the workers they feed: the handlers only mark runs, the workers reconcile.
 
 Three watches feed one level-triggered reconcile: the TPUFineTunes, the JobSets and the pods that
 carry the run's label. In-memory indexes (kopf.index) hold the latest JobSet and pods of each run,
-so a reconcile reads no lists from the API. No handler stores progress on the object and no
-finalizer is added: deleting a TPUFineTune is never blocked, even with the operator down.
+so a reconcile reads no lists from the API. Each watch event marks its run in a work queue
+(workqueue.py: each run once, JobSet creation first) and returns; `--workers` threads reconcile the
+marked runs from the indexes. No handler stores progress on the object and no finalizer is added:
+deleting a TPUFineTune is never blocked, even with the operator down.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import asyncio
 import contextvars
 import functools
 import logging
+import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -26,6 +28,7 @@ from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL, is_final
+from tpuft_operator.workqueue import WorkQueue
 
 FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
 JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
@@ -35,6 +38,8 @@ OWNED = {FINETUNE_LABEL: kopf.PRESENT}
 Key = tuple[str, str]
 # An indexed object, reduced to what the reconcile reads (slim_finetune, slim_jobset, slim_pod).
 Slim = dict[str, Any]
+
+_log = logging.getLogger("tpuft.workers")
 
 
 def _event_sink(body: Mapping[str, Any]) -> Any:
@@ -110,7 +115,7 @@ def _run(
             finetune, jobset, list(pod_index.get(key, [])), event=_event_sink(finetune), logger=logger
         )
     except ApiError as error:
-        # Event handlers are not retried by kopf; the resync loop retries within resync_seconds.
+        # Nothing re-queues a failed reconcile at once; the resync loop retries within resync_seconds.
         metrics.API_ERRORS.labels(status=str(error.status)).inc()
         if error.retryable:
             logger.warning("%s; retrying at the next resync", error)
@@ -119,80 +124,94 @@ def _run(
 
 
 @dataclass
-class Resync:
-    """State of the resync loop and of deferred reconciles, shared by every handler.
+class Dispatch:
+    """What the handlers, the worker threads and the resync loop share.
 
-    kopf gives each resource its own shallow copy of the memo, so an attribute set on ``memo`` in a
-    handler is invisible to the loop; this object is shared by all the copies. Reconciles started
-    here run on their own threads, because kopf parks blocking waits in asyncio's default executor.
+    The handlers only mark runs in ``queue`` (workqueue.py); ``workers`` threads reconcile them from
+    the indexes. kopf gives each resource its own shallow copy of the memo, so an attribute set on
+    ``memo`` in a handler would be invisible elsewhere; this one object is shared by all the copies.
     """
 
+    queue: WorkQueue = field(default_factory=WorkQueue)
     indexes: tuple[kopf.Index[Key, Slim], ...] | None = None
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tpuft-resync")
-    )
-    task: asyncio.Task[None] | None = None
     loop: asyncio.AbstractEventLoop | None = None
-    deferred: set[asyncio.Task[None]] = field(default_factory=set)
+    kopf_settings: kopf.OperatorSettings | None = None
+    # kopf.event() finds kopf's event queue in context variables that kopf sets in the tasks that
+    # process watch events (not yet at start-up): the first handler call lends its context to all.
+    context: contextvars.Context | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+    resync_task: asyncio.Task[None] | None = None
 
-    def defer(self, memo: kopf.Memo, key: Key, delay: float) -> None:
-        """Reconciles run ``key`` (namespace, name) again in ``delay`` seconds, from the indexes as
-        they are then. Safe to call from any thread."""
+    def mark(self, key: Key, *, urgent: bool = False) -> None:
+        """Called by the handlers, on the event loop: run ``key`` needs a reconcile."""
+        if self.context is None:
+            self.context = contextvars.copy_context()
+        self.queue.add(key, urgent=urgent)
+
+    def defer(self, key: Key, delay: float) -> None:
+        """Marks run ``key`` (namespace, name) again in ``delay`` seconds. Safe from any thread."""
         loop = self.loop
-        if loop is None:
-            return
-        context = contextvars.copy_context()  # kopf.event() finds its event queue there
+        if loop is not None:
+            mark = functools.partial(self.queue.add, key)
+            loop.call_soon_threadsafe(lambda: loop.call_later(delay, mark))
 
-        def spawn() -> None:
-            task = loop.create_task(reconcile_from_indexes(memo, key, logging.getLogger("tpuft.defer")))
-            self.deferred.add(task)
-            task.add_done_callback(self.deferred.discard)
+    def start_workers(self, memo: kopf.Memo, count: int) -> None:
+        metrics.QUEUE_DEPTH.set_function(lambda: len(self.queue))
+        for number in range(count):
+            thread = threading.Thread(target=_work, args=(memo,), name=f"tpuft-worker-{number}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
 
-        loop.call_soon_threadsafe(lambda: loop.call_later(delay, spawn, context=context))
+
+def _work(memo: kopf.Memo) -> None:
+    """One worker thread: reconcile marked runs until the queue closes."""
+    state: Dispatch = memo.dispatch
+    while (key := state.queue.get()) is not None:
+        try:
+            # A copy each time: one Context cannot be entered by two threads at once.
+            context = state.context.copy() if state.context else contextvars.Context()
+            context.run(reconcile_from_indexes, memo, key)
+        except Exception:  # a bug must not kill the worker; the resync loop retries the run
+            _log.exception("reconcile of %s/%s failed; retrying at the next resync", *key)
+        finally:
+            state.queue.done(key)
 
 
-async def reconcile_from_indexes(
-    memo: kopf.Memo, key: Key, log: logging.Logger, *, skip_finished: bool = False
-) -> None:
-    """One reconcile of run ``key`` (namespace, name) from the latest indexed objects, off the loop."""
-    state: Resync = memo.resync
-    if state.indexes is None:
+def reconcile_from_indexes(memo: kopf.Memo, key: Key) -> None:
+    """One reconcile of run ``key`` (namespace, name) from the latest indexed objects."""
+    state: Dispatch = memo.dispatch
+    if state.indexes is None or state.kopf_settings is None:
         return
     finetune_index, jobset_index, pod_index = state.indexes
     index_key = (key[0], label_value(key[1]))
     finetune = _latest(finetune_index, index_key)
     if finetune is None:
-        return
-    jobset = _latest(jobset_index, index_key)
-    if skip_finished and is_final(finetune, jobset):
-        return  # (a terminal phase written by hand next to a running JobSet is not final: retried)
-    call = functools.partial(contextvars.copy_context().run, _run, memo, finetune, jobset, pod_index, log)
-    await asyncio.get_running_loop().run_in_executor(state.executor, call)
+        return  # deleted meanwhile
+    logger = kopf.LocalObjectLogger(body=cast(kopf.Body, finetune), settings=state.kopf_settings)
+    _run(memo, finetune, _latest(jobset_index, index_key), pod_index, logger)
 
 
 async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
     """A safety net instead of kopf timers (which would add a finalizer to every run): every
-    ``interval`` seconds, re-reconcile each unfinished run from the in-memory indexes, so a missed
-    event or a failed API call heals without anyone touching the object."""
-    resync_log = logging.getLogger("tpuft.resync")
-    state: Resync = memo.resync
+    ``interval`` seconds, mark each unfinished run, so a missed event or a failed API call heals
+    without anyone touching the object."""
+    state: Dispatch = memo.dispatch
     while True:
         await asyncio.sleep(interval)
         if state.indexes is None:
             continue
-        finetune_index = state.indexes[0]
+        finetune_index, jobset_index, _ = state.indexes
         for index_key in list(finetune_index):
             finetune = _latest(finetune_index, index_key)
             if finetune is None:
                 continue
-            key = (index_key[0], str(finetune["metadata"]["name"]))
-            try:
-                await reconcile_from_indexes(memo, key, resync_log, skip_finished=True)
-            except Exception as error:  # the next pass retries; the loop must never die
-                resync_log.warning("resync of %s/%s failed: %s", key[0], key[1], error)
+            jobset = _latest(jobset_index, index_key)
+            if is_final(finetune, jobset):
+                continue  # (a terminal phase written by hand next to a running JobSet is not final)
+            state.queue.add((index_key[0], str(finetune["metadata"]["name"])), urgent=jobset is None)
 
 
-def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry:
     """All handlers, registered on a fresh registry (so settings apply and tests can build their own)."""
     registry = kopf.OperatorRegistry()
 
@@ -218,53 +237,54 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     async def pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Slim]:
         return {(str(namespace), labels[FINETUNE_LABEL]): slim_pod(body)}
 
-    # The indexes arrive as keyword arguments named after the index functions above.
+    # The indexes arrive as keyword arguments named after the index functions above. The handlers
+    # are async and only mark the run: they return at once, and the workers reconcile.
     @kopf.on.event(*FINETUNES, registry=registry)
-    def finetune_event(type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kw: Any) -> None:
-        memo.resync.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
+    async def finetune_event(type: str, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+        state: Dispatch = memo.dispatch
+        state.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if type == "DELETED":
             memo.reconciler.forget((namespace, name))
             return
-        _run(memo, body, _latest(kw["jobsets"], (namespace, label_value(name))), kw["pods"], logger)
+        # A run with no JobSet yet needs one created: that goes ahead of status work.
+        needs_jobset = _latest(kw["jobsets"], (namespace, label_value(name))) is None
+        state.mark((namespace, name), urgent=needs_jobset)
 
     @kopf.on.event(*JOBSETS, labels=OWNED, registry=registry)
-    def jobset_event(
-        type: str,
-        namespace: str | None,
-        labels: kopf.Labels,
-        body: kopf.Body,
-        memo: kopf.Memo,
-        logger: kopf.Logger,
-        **kw: Any,
+    async def jobset_event(
+        type: str, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any
     ) -> None:
+        memo.dispatch.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
         owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
         if owner is None:
             return
+        key = (str(namespace), str(owner["metadata"]["name"]))
         if type == "DELETED":
-            memo.reconciler.jobset_deleted((str(namespace), owner["metadata"]["name"]))
-        _run(memo, owner, None if type == "DELETED" else slim_jobset(body), kw["pods"], logger)
+            memo.reconciler.jobset_deleted(key)
+        memo.dispatch.mark(key, urgent=type == "DELETED")  # a deleted JobSet is recreated
 
     @kopf.on.event(*PODS, labels=OWNED, registry=registry)
-    def pod_event(
-        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, logger: kopf.Logger, **kw: Any
-    ) -> None:
-        key = (str(namespace), labels[FINETUNE_LABEL])
-        owner = _latest(kw["finetunes"], key)
+    async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any) -> None:
+        memo.dispatch.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
+        owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
         if owner is not None:
-            _run(memo, owner, _latest(kw["jobsets"], key), kw["pods"], logger)
+            memo.dispatch.mark((str(namespace), str(owner["metadata"]["name"])))
 
     @kopf.on.startup(registry=registry)
-    async def start_resync(memo: kopf.Memo, **_: Any) -> None:
-        state: Resync = memo.resync
+    async def start_workers(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
+        state: Dispatch = memo.dispatch
         state.loop = asyncio.get_running_loop()
-        memo.reconciler.defer = functools.partial(state.defer, memo)
-        state.task = asyncio.create_task(_resync_forever(memo, settings.resync_seconds))
+        state.kopf_settings = settings
+        memo.reconciler.defer = state.defer
+        state.start_workers(memo, operator_settings.workers)
+        state.resync_task = asyncio.create_task(_resync_forever(memo, operator_settings.resync_seconds))
 
     @kopf.on.cleanup(registry=registry)
-    async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-        if memo.resync.task is not None:
-            memo.resync.task.cancel()
-        memo.resync.executor.shutdown(wait=False, cancel_futures=True)
+    async def stop_workers(memo: kopf.Memo, **_: Any) -> None:
+        state: Dispatch = memo.dispatch
+        if state.resync_task is not None:
+            state.resync_task.cancel()
+        state.queue.close()
 
     return registry

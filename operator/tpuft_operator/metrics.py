@@ -13,6 +13,9 @@ RECONCILE_SECONDS = Histogram(
     "Time of one reconcile pass (render, API calls, status patch).",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+QUEUE_DEPTH = Gauge(
+    "tpuft_workqueue_depth", "Runs marked for a reconcile and waiting for a worker (workqueue.py)."
+)
 RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
 
 _PHASES = ("Pending", "Queued", "Suspended", "Running", "Succeeded", "Failed")

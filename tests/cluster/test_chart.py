@@ -19,6 +19,7 @@ from tests.conftest import unique
 from tests.support import finetune, get_json, wait_for
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import OperatorProcess
+from tpuft_operator.settings import OperatorSettings
 
 pytestmark = pytest.mark.cluster
 
@@ -201,6 +202,8 @@ def test_helm_lint(helm: Helm) -> None:
         (["--set", "resources.limits.memory=lots"], "at '/resources/limits/memory'"),
         (["--set", "metrics.serviceMonitor.interval=often"], "at '/metrics/serviceMonitor/interval'"),
         (["--set", "logleve=DEBUG"], "additional properties 'logleve' not allowed"),
+        (["--set", "workers=0"], "at '/workers'"),
+        (["--set", "statusSettleSeconds=-1"], "at '/statusSettleSeconds'"),
     ],
 )
 def test_bad_values_fail_with_the_path_of_the_value(helm: Helm, values: list[str], message: str) -> None:
@@ -230,6 +233,14 @@ def test_rendered_deployment_is_restricted_single_and_probed(helm: Helm) -> None
     assert container["args"] == ["operator"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["TPUFT_NAMESPACES"] == "" and env["TPUFT_LOG_LEVEL"] == "INFO"
+    # The chart's defaults are the operator's own (settings.py), passed explicitly.
+    assert {
+        k: float(env[k]) for k in ("TPUFT_WORKERS", "TPUFT_STATUS_SETTLE_SECONDS", "TPUFT_RESYNC_SECONDS")
+    } == {
+        "TPUFT_WORKERS": OperatorSettings.workers,
+        "TPUFT_STATUS_SETTLE_SECONDS": OperatorSettings.status_settle_seconds,
+        "TPUFT_RESYNC_SECONDS": OperatorSettings.resync_seconds,
+    }
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 8080, "health": 8081}
     assert pod["serviceAccountName"] == "tpuft"
     assert not by_kind(objects, "ServiceMonitor") and not by_kind(objects, "Role")

@@ -1,0 +1,78 @@
+"""The queue of runs waiting to be reconciled, with the guarantees of client-go's workqueue.
+
+Every watch event of a run (its TPUFineTune, JobSet and pods: ~10 per run) only *marks* the run as
+needing a reconcile; worker threads take runs from here and reconcile each from the indexes as they
+are by then. So:
+- a run waits here at most once, however many events arrive for it meanwhile (a burst of pod
+  events costs one reconcile, not one each);
+- no two workers reconcile the same run at once (a run marked while it is being reconciled is
+  queued again when that reconcile ends, so the last event is never missed);
+- runs that still need their JobSet go first: creating JobSets is what users wait for, while a
+  status that says Running a second later costs them nothing. Under a burst of 300 creates the
+  pod events of the first runs no longer delay the creation of the last ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
+
+
+class WorkQueue:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._urgent: deque[Key] = deque()
+        self._normal: deque[Key] = deque()
+        # Marked runs -> whether urgent. A run is in a deque unless it is being processed; a deque
+        # may hold a stale copy of a run that was promoted or already taken (skipped when met).
+        self._waiting: dict[Key, bool] = {}
+        self._processing: set[Key] = set()
+        self._closed = False
+
+    def add(self, key: Key, *, urgent: bool = False) -> None:
+        """Marks ``key`` as needing a reconcile. Safe from any thread."""
+        with self._cond:
+            if self._closed:
+                return
+            was = self._waiting.get(key)
+            if was is not None and (was or not urgent):
+                return  # already waiting, at this priority or a higher one
+            self._waiting[key] = urgent
+            if key not in self._processing:
+                (self._urgent if urgent else self._normal).append(key)
+                self._cond.notify()
+
+    def get(self) -> Key | None:
+        """The next run to reconcile (urgent ones first), waiting for one; None once closed.
+        The caller must call ``done(key)`` when the reconcile ends, whatever its outcome."""
+        with self._cond:
+            while not self._closed:
+                for queue in (self._urgent, self._normal):
+                    while queue:
+                        key = queue.popleft()
+                        if key in self._waiting and key not in self._processing:
+                            del self._waiting[key]
+                            self._processing.add(key)
+                            return key
+                self._cond.wait()
+            return None
+
+    def done(self, key: Key) -> None:
+        with self._cond:
+            self._processing.discard(key)
+            if key in self._waiting and not self._closed:
+                (self._urgent if self._waiting[key] else self._normal).append(key)
+                self._cond.notify()
+
+    def close(self) -> None:
+        """Wakes every waiting worker with None; later adds are ignored."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        """Runs waiting (not counting those being reconciled)."""
+        with self._cond:
+            return len(self._waiting)

@@ -1,0 +1,110 @@
+"""The work queue's guarantees (workqueue.py): each run waits once, creation first, one worker per run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tpuft_operator.workqueue import WorkQueue
+
+A, B, C = ("ns", "a"), ("ns", "b"), ("ns", "c")
+
+
+def drain(queue: WorkQueue) -> list[tuple[str, str]]:
+    taken = []
+    while len(queue):
+        key = queue.get()
+        assert key is not None
+        taken.append(key)
+        queue.done(key)
+    return taken
+
+
+def test_a_run_marked_many_times_is_reconciled_once() -> None:
+    queue = WorkQueue()
+    for _ in range(10):
+        queue.add(A)
+    queue.add(B)
+    assert len(queue) == 2
+    assert drain(queue) == [A, B]
+
+
+def test_runs_that_need_a_jobset_go_first() -> None:
+    queue = WorkQueue()
+    queue.add(A)
+    queue.add(B)
+    queue.add(C, urgent=True)
+    assert drain(queue) == [C, A, B]
+
+
+def test_a_waiting_run_marked_urgent_is_promoted_and_taken_once() -> None:
+    queue = WorkQueue()
+    queue.add(A)
+    queue.add(B)
+    queue.add(B, urgent=True)
+    queue.add(B)  # a later ordinary mark does not demote it
+    assert drain(queue) == [B, A]
+
+
+def test_a_run_marked_while_being_reconciled_waits_for_that_reconcile_then_runs_again() -> None:
+    queue = WorkQueue()
+    queue.add(A)
+    assert queue.get() == A
+    queue.add(A)  # an event arrives during the reconcile
+    queue.add(B)
+    assert queue.get() == B  # A is not handed to a second worker meanwhile
+    queue.done(B)
+    queue.done(A)
+    assert queue.get() == A  # the event is not lost
+    queue.done(A)
+    assert len(queue) == 0
+
+
+def test_no_two_workers_ever_hold_the_same_run() -> None:
+    queue = WorkQueue()
+    holding: set[tuple[str, str]] = set()
+    overlaps: list[tuple[str, str]] = []
+    reconciles: list[tuple[str, str]] = []
+    guard = threading.Lock()
+
+    def worker() -> None:
+        while (key := queue.get()) is not None:
+            with guard:
+                if key in holding:
+                    overlaps.append(key)
+                holding.add(key)
+                reconciles.append(key)
+            time.sleep(0.001)
+            with guard:
+                holding.discard(key)
+            queue.done(key)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for i in range(2000):
+        queue.add(("ns", f"run-{i % 20}"), urgent=i % 7 == 0)
+    deadline = time.monotonic() + 10
+    while len(queue) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queue.close()
+    for t in threads:
+        t.join(timeout=5)
+    assert not overlaps
+    assert {k for k in reconciles} == {("ns", f"run-{i}") for i in range(20)}
+    assert len(reconciles) < 2000  # marks were coalesced
+
+
+def test_close_wakes_every_waiting_worker() -> None:
+    queue = WorkQueue()
+    results: list[object] = []
+    threads = [threading.Thread(target=lambda: results.append(queue.get())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    queue.close()
+    for t in threads:
+        t.join(timeout=5)
+    assert results == [None, None, None]
+    queue.add(A)
+    assert len(queue) == 0
