@@ -69,13 +69,20 @@ KINDS = {
 MERGE_PATCH = "application/merge-patch+json"
 
 
-def load_client(kubeconfig: str | None = None) -> client.ApiClient:
-    """In a pod: its ServiceAccount; elsewhere: the kubeconfig (or $KUBECONFIG)."""
+def load_client(kubeconfig: str | None = None, *, connections: int = 10) -> client.ApiClient:
+    """In a pod: its ServiceAccount; elsewhere: the kubeconfig (or $KUBECONFIG).
+
+    ``connections`` must cover every thread that calls at once: the client's default pool (5 per
+    CPU) is smaller than the workers, and urllib3 then opens a connection for each extra call and
+    throws it away afterwards, so every such call paid a new TLS handshake (280 "Connection pool is
+    full" warnings per 300 runs in the benchmark)."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config(config_file=kubeconfig)
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
 
 
 class Api:

@@ -13,10 +13,11 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator.handlers import Dispatch, build_registry
+from tpuft_operator.handlers import JOBSETS, PODS, Dispatch, build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
+from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.settings import OperatorSettings
 
 log = logging.getLogger("tpuft.operator")
@@ -87,6 +88,11 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     kopf_settings.persistence.finalizer = "tpuft.dev/unused-finalizer"
     kopf_settings.persistence.diffbase_storage = NoDiffBase()
     kopf_settings.execution.max_workers = settings.workers
+    # Server-side filtering: only the pods and JobSets of runs reach the operator. The handlers'
+    # labels= filter is applied by kopf after the fact, so without this every pod event of the whole
+    # cluster would be sent, parsed and queued here.
+    for group, version, plural in (PODS, JOBSETS):
+        kopf_settings.watching.label_selectors[group, version, plural] = FINETUNE_LABEL
     kopf_settings.peering.standalone = True
     if settings.namespaces:
         # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
@@ -95,7 +101,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
 
 
 def build_memo(settings: OperatorSettings) -> kopf.Memo:
-    api = Api(load_client(settings.kubeconfig))
+    api = Api(load_client(settings.kubeconfig, connections=settings.workers))  # one per worker thread
     reconciler = Reconciler(
         api=api,
         status_settle_seconds=settings.status_settle_seconds,

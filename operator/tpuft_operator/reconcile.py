@@ -346,7 +346,10 @@ class Reconciler:
             log.info(
                 "phase %s -> %s: %s", current.get("phase") or "(new)", derived["phase"], derived["message"]
             )
-            event(kind, reason, derived["message"])
+            # A new run's first Pending says nothing the JobSetCreated event did not: no Event (each is
+            # one more write to the API server per run; the benchmark showed those writes cost latency).
+            if current.get("phase") or derived["phase"] != "Pending":
+                event(kind, reason, derived["message"])
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])

@@ -281,3 +281,15 @@ def test_a_jobset_the_status_records_is_not_called_adopted(caplog: pytest.LogCap
     with caplog.at_level("INFO", logger="tpuft.reconcile"):
         r.reconcile(run, created, running_pods(), event=Events())
     assert not [rec for rec in caplog.records if "adopted" in rec.getMessage()]
+
+
+def test_a_new_runs_first_pending_posts_no_event_beyond_jobset_created() -> None:
+    api, events = RecordingApi(), Events()
+    r, _ = reconciler(api, settle=0.0)
+    run = new_run()
+    r.reconcile(run, None, [], event=events)
+    assert ("status", "Pending") in api.calls
+    assert events.posted == ["JobSetCreated"]
+    # Later phase changes are Events as before.
+    r.reconcile(finetune({"phase": "Pending", "jobSetName": "run"}), None, running_pods(), event=events)
+    assert events.posted == ["JobSetCreated", "Running"]
