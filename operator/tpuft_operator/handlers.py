@@ -101,6 +101,12 @@ def _latest(index: kopf.Index[Key, Slim], key: Key) -> Slim | None:
     return next(iter(store), None) if store else None
 
 
+def _needs_jobset(jobset_index: kopf.Index[Key, Slim], index_key: Key) -> bool:
+    """A run with no JobSet (yet, or any more) is queued ahead of status work: creating it is what
+    the user waits for."""
+    return _latest(jobset_index, index_key) is None
+
+
 def _run(
     memo: kopf.Memo,
     finetune: Mapping[str, Any],
@@ -139,11 +145,15 @@ class Dispatch:
     # kopf.event() finds kopf's event queue in context variables that kopf sets in the tasks that
     # process watch events (not yet at start-up): the first handler call lends its context to all.
     context: contextvars.Context | None = None
-    threads: list[threading.Thread] = field(default_factory=list)
     resync_task: asyncio.Task[None] | None = None
 
-    def mark(self, key: Key, *, urgent: bool = False) -> None:
-        """Called by the handlers, on the event loop: run ``key`` needs a reconcile."""
+    def mark(self, key: Key, indexes: Mapping[str, Any], *, urgent: bool = False) -> None:
+        """Called by the handlers, on the event loop: run ``key`` needs a reconcile.
+
+        ``indexes`` are the handler's keyword arguments: kopf passes the indexes only to handlers,
+        so the first handler call hands them to the workers."""
+        if self.indexes is None:
+            self.indexes = (indexes["finetunes"], indexes["jobsets"], indexes["pods"])
         if self.context is None:
             self.context = contextvars.copy_context()
         self.queue.add(key, urgent=urgent)
@@ -157,10 +167,9 @@ class Dispatch:
 
     def start_workers(self, memo: kopf.Memo, count: int) -> None:
         metrics.QUEUE_DEPTH.set_function(lambda: len(self.queue))
+        # Daemons: `queue.close()` at cleanup wakes each one to exit, and none holds up a shutdown.
         for number in range(count):
-            thread = threading.Thread(target=_work, args=(memo,), name=f"tpuft-worker-{number}", daemon=True)
-            thread.start()
-            self.threads.append(thread)
+            threading.Thread(target=_work, args=(memo,), name=f"tpuft-worker-{number}", daemon=True).start()
 
 
 def _work(memo: kopf.Memo) -> None:
@@ -208,7 +217,8 @@ async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
             jobset = _latest(jobset_index, index_key)
             if is_final(finetune, jobset):
                 continue  # (a terminal phase written by hand next to a running JobSet is not final)
-            state.queue.add((index_key[0], str(finetune["metadata"]["name"])), urgent=jobset is None)
+            name = str(finetune["metadata"]["name"])
+            state.queue.add((index_key[0], name), urgent=_needs_jobset(jobset_index, index_key))
 
 
 def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -241,35 +251,30 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
     # are async and only mark the run: they return at once, and the workers reconcile.
     @kopf.on.event(*FINETUNES, registry=registry)
     async def finetune_event(type: str, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        state: Dispatch = memo.dispatch
-        state.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if type == "DELETED":
             memo.reconciler.forget((namespace, name))
             return
-        # A run with no JobSet yet needs one created: that goes ahead of status work.
-        needs_jobset = _latest(kw["jobsets"], (namespace, label_value(name))) is None
-        state.mark((namespace, name), urgent=needs_jobset)
+        urgent = _needs_jobset(kw["jobsets"], (namespace, label_value(name)))
+        memo.dispatch.mark((namespace, name), kw, urgent=urgent)
 
     @kopf.on.event(*JOBSETS, labels=OWNED, registry=registry)
     async def jobset_event(
         type: str, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any
     ) -> None:
-        memo.dispatch.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
         owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
         if owner is None:
             return
         key = (str(namespace), str(owner["metadata"]["name"]))
         if type == "DELETED":
             memo.reconciler.jobset_deleted(key)
-        memo.dispatch.mark(key, urgent=type == "DELETED")  # a deleted JobSet is recreated
+        memo.dispatch.mark(key, kw, urgent=type == "DELETED")  # a deleted JobSet is recreated
 
     @kopf.on.event(*PODS, labels=OWNED, registry=registry)
     async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any) -> None:
-        memo.dispatch.indexes = (kw["finetunes"], kw["jobsets"], kw["pods"])
         owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
         if owner is not None:
-            memo.dispatch.mark((str(namespace), str(owner["metadata"]["name"])))
+            memo.dispatch.mark((str(namespace), str(owner["metadata"]["name"])), kw)
 
     @kopf.on.startup(registry=registry)
     async def start_workers(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
