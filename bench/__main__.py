@@ -55,6 +55,24 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         "  ('to Running': the operator's object creates and status patches up to the patch that set Running;"
         " writes/run adds the Events it posts; 409/429/5xx: every client of the apiserver during the phase)"
     )
+    lines.append(
+        "where create->JobSet goes, p50/p99 s (operator | direct): send -> JobSet POST at the apiserver;"
+        " the POST in the apiserver; POST done -> client's watch sees it"
+    )
+    for n in sorted(operator_phases):
+        parts = []
+        for phase in (operator_phases[n], direct_phases[n]):
+            split = phase.get("latency_breakdown")
+            if not split:
+                parts.append("-")
+                continue
+            parts.append(
+                "; ".join(
+                    f"{_s(split[k]['p50'])}/{_s(split[k]['p99'])}"
+                    for k in ("send_to_jobset_post", "jobset_post_in_apiserver", "jobset_post_done_to_seen")
+                )
+            )
+        lines.append(f"{n:>5}  {parts[0]:<36} | {parts[1]}")
     lines += ["targets:"]
     if TARGET_RATIO_N in ratios and ratios[TARGET_RATIO_N] is not None:
         ratio = ratios[TARGET_RATIO_N]

@@ -7,12 +7,16 @@ cannot weigh on the next: deleting them is slow here, and a cluster comes up in 
    RBAC, watching all namespaces as the chart does by default) and N TPUFineTunes created by a client
    as fast as it can (16 threads); then it waits for every run to be `Succeeded`.
 2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
-   the same specs, created the same way. Their ServiceAccounts and ConfigMaps are created first,
-   untimed, so their pods start exactly as the operator's do.
+   the same specs, created the same way (each carries its trainer config). The namespace's trainer
+   ServiceAccount is created first, untimed, so their pods start exactly as the operator's do.
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
 moment the watch sees the JobSet `Completed` to the moment it sees the TPUFineTune `Succeeded`.
+*Where the latency goes*, per run, from the audit log's JobSet create (logged for every client):
+send -> the JobSet POST reaches the apiserver (for the operator: the TPUFineTune's create, its watch
+event, the queue and the reconcile), the apiserver's handling of the POST (admission, the JobSet
+webhooks, etcd), and its completion -> the client's watch sees the JobSet.
 The operator's API requests come from the apiserver's audit log (opt-in for this cluster: see
 `components.Layout.audit_policy`), filtered to the operator's user; 409/429/5xx of the whole
 cluster come from the apiserver's `apiserver_request_total`. Peak RSS (VmHWM) and CPU seconds
@@ -42,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -82,6 +87,9 @@ rules:
   resources: [{{group: tpuft.dev, resources: [tpufinetunes/status]}}]
 - level: Metadata
   users: ["{OPERATOR_USER}"]
+- level: Metadata
+  verbs: [create]
+  resources: [{{group: jobset.x-k8s.io, resources: [jobsets]}}]
 - level: None
 """
 
@@ -347,6 +355,40 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
     }
 
 
+def _audit_time(stamp: str) -> float:
+    """An audit timestamp (RFC 3339, UTC) on the time.monotonic() scale of this process."""
+    return datetime.fromisoformat(stamp).timestamp() - (time.time() - time.monotonic())
+
+
+def latency_breakdown(
+    path: Path, offset: int, namespace: str, sent: dict[str, float], seen: dict[str, float]
+) -> dict[str, Any]:
+    """Per run: send -> JobSet POST received, the POST in the apiserver, POST done -> watch sees it."""
+    posts: dict[str, tuple[float, float]] = {}
+    with path.open() as log:
+        log.seek(offset)
+        for line in log:
+            entry = json.loads(line)
+            ref = entry.get("objectRef") or {}
+            if (
+                entry["verb"] == "create"
+                and ref.get("resource") == "jobsets"
+                and ref.get("namespace") == namespace
+                and (entry.get("responseStatus") or {}).get("code") == 201
+            ):
+                match = RUN_NAME.match(ref.get("name") or "")
+                if match:
+                    received = _audit_time(entry["requestReceivedTimestamp"])
+                    posts[match.group(1)] = (received, _audit_time(entry["stageTimestamp"]))
+    runs = [r for r in posts if r in sent and r in seen]
+    return {
+        "runs": len(runs),
+        "send_to_jobset_post": percentiles([posts[r][0] - sent[r] for r in runs]),
+        "jobset_post_in_apiserver": percentiles([posts[r][1] - posts[r][0] for r in runs]),
+        "jobset_post_done_to_seen": percentiles([seen[r] - posts[r][1] for r in runs]),
+    }
+
+
 def operator_listed(path: Path) -> bool:
     """Whether the operator's lists of TPUFineTunes, JobSets and pods have succeeded (its watches follow)."""
     listed = set()
@@ -382,24 +424,16 @@ class Bench:
         core = client.CoreV1Api(self.api)
         custom = client.CustomObjectsApi(self.api)
         errors: Counter[int] = Counter()
-        # Untimed: what the JobSets' pods need (the namespace's trainer ServiceAccount, their configuration).
-        prerequisites: list[tuple[str, Callable[[], Any]]] = []
+        # Untimed: what the JobSets' pods need (the namespace's trainer ServiceAccount).
         sa = next(o for o in runs[0].namespace_objects if o["kind"] == "ServiceAccount")
-        prerequisites.append(("sa", partial(core.create_namespaced_service_account, ns, cast(Any, sa))))
-        for run in runs:
-            prerequisites.append(
-                (
-                    f"cm/{run.jobset_name}",
-                    partial(core.create_namespaced_config_map, ns, cast(Any, run.config_map)),
-                )
-            )
-        create_all(prerequisites, {}, Counter())
+        core.create_namespaced_service_account(ns, cast(Any, sa))
 
         obs = Observations()
         watcher = Watcher(self.api, JOBSET, ns, obs.jobset_event)
         watcher.start()
         watcher.ready.wait(30)
         codes_before = apiserver_codes(self.cluster)
+        audit_offset = self.cluster.layout.audit_log.stat().st_size
         sent: dict[str, float] = {}
         group, version, plural = JOBSET
         items = [
@@ -429,6 +463,9 @@ class Bench:
             "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
             "client_errors": {str(k): v for k, v in errors.items()},
             "apiserver_error_codes": storm_codes(codes_before, codes_after),
+            "latency_breakdown": latency_breakdown(
+                self.cluster.layout.audit_log, audit_offset, ns, sent, obs.jobset_seen
+            ),
         }
         return result
 
@@ -518,6 +555,7 @@ class Bench:
             "client_errors": {str(k): v for k, v in errors.items()},
             "apiserver_error_codes": storm_codes(codes_before, codes_after),
             "operator_api": audit_requests(audit_log, offset, n),
+            "latency_breakdown": latency_breakdown(audit_log, offset, ns, sent, obs.jobset_seen),
             "operator_process": {
                 "idle": idle,
                 "at_all_jobsets": at_jobsets,

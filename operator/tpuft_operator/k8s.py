@@ -61,7 +61,6 @@ FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes")
 # Every kind the operator creates, and nothing else.
 KINDS = {
     "JobSet": JOBSET,
-    "ConfigMap": Resource("", "v1", "configmaps"),
     "ServiceAccount": Resource("", "v1", "serviceaccounts"),
     "Role": Resource("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": Resource("rbac.authorization.k8s.io", "v1", "rolebindings"),

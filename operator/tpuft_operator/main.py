@@ -16,7 +16,6 @@ from prometheus_client import start_http_server
 from tpuft_operator.handlers import JOBSETS, PODS, Dispatch, build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
-from tpuft_operator.render import RenderSettings
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.settings import OperatorSettings
 
@@ -105,10 +104,7 @@ def build_memo(settings: OperatorSettings) -> kopf.Memo:
     reconciler = Reconciler(
         api=api,
         status_settle_seconds=settings.status_settle_seconds,
-        render_settings=RenderSettings(
-            trainer_image=settings.trainer_image,
-            progress_min_interval_seconds=settings.progress_interval_seconds,
-        ),
+        render_settings=settings.render_settings(),
     )
     return kopf.Memo(settings=settings, reconciler=reconciler, dispatch=Dispatch())
 

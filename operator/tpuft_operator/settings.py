@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tpuft_operator.render.settings import RenderSettings
+
 DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
 
 
@@ -89,6 +91,12 @@ class OperatorSettings:
         "Kubeconfig to use outside a cluster; inside a pod the ServiceAccount is used.",
         "KUBECONFIG",
     )
+
+    def render_settings(self) -> RenderSettings:
+        """What of these settings shapes the objects of a run (the JobSet and its trainer config)."""
+        return RenderSettings(
+            trainer_image=self.trainer_image, progress_min_interval_seconds=self.progress_interval_seconds
+        )
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, str, Any]]:

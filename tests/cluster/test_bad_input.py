@@ -2,7 +2,7 @@
 
 - offline, `render_run` (what `tpuft render` and the operator run) raises only `SpecError`, naming the
   field the corpus names; valid inputs that look dangerous render to an exec-form command and reach the
-  trainer only as quoted YAML inside the ConfigMap;
+  trainer only as quoted YAML inside the trainer-config pod annotation;
 - on the cluster, each `apiserver` case is refused by `kubectl create` with its message, and each other
   case is accepted (the operator's side is tests/e2e/test_bad_input_operator.py).
 """
@@ -25,7 +25,7 @@ from tests.unit.crdcheck import merge
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.render import RenderedRun, render_run
-from tpuft_operator.render.jobset import CONFIG_KEY
+from tpuft_operator.render.jobset import CONFIG_ANNOTATION
 
 CORPUS_FILE = Path(__file__).parent / "bad_input_corpus.yaml"
 CORPUS: dict[str, Any] = yaml.safe_load(CORPUS_FILE.read_text())
@@ -85,19 +85,46 @@ def strings_in(obj: Any) -> Iterator[str]:
             yield from strings_in(v)
 
 
+def config_annotations(obj: Any) -> Iterator[str]:
+    """Every trainer-config annotation anywhere inside ``obj`` (JobSet and Job templates, pods)."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "annotations" and isinstance(value, dict) and CONFIG_ANNOTATION in value:
+                yield value[CONFIG_ANNOTATION]
+            else:
+                yield from config_annotations(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from config_annotations(value)
+
+
+def without_config(obj: Any) -> Any:
+    """``obj`` with every trainer-config annotation left out."""
+    if isinstance(obj, dict):
+        return {
+            k: without_config(
+                {a: t for a, t in v.items() if a != CONFIG_ANNOTATION} if k == "annotations" else v
+            )
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [without_config(v) for v in obj]
+    return obj
+
+
 def assert_inert(objects: list[dict[str, Any]], planted: list[str]) -> None:
-    """No shell: exec-form command, and each planted string only inside the ConfigMap's config YAML,
-    from which it loads back unchanged. ``objects``: ConfigMap, JobSet and anything made from them."""
-    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
-    config_text = config_map["data"][CONFIG_KEY]
+    """No shell: exec-form command, and each planted string only inside the trainer config (the pod
+    template's annotation), from which it loads back unchanged. ``objects``: the JobSet and anything
+    made from it (Jobs, pods), each carrying that same config."""
+    texts = [text for obj in objects for text in config_annotations(obj)]
+    assert texts and len(set(texts)) == 1, "every object must carry the one trainer config"
+    config_text = texts[0]
     config_values = list(strings_in(yaml.safe_load(config_text)))
     for obj in objects:
         for container in containers_of(obj):
             assert container["command"] == EXEC_COMMAND, container["command"]
             assert "args" not in container
-        if obj is config_map:
-            continue
-        text = json.dumps(obj, ensure_ascii=False)
+        text = json.dumps(without_config(obj), ensure_ascii=False)
         for value in planted:
             assert value not in text and json.dumps(value)[1:-1] not in text, (
                 f"{value!r} leaked into {obj['kind']}"

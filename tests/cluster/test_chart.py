@@ -33,7 +33,6 @@ NAMESPACED = {
     "tpufinetunes.tpuft.dev/status": {"get", "patch"},
     "jobsets.jobset.x-k8s.io": {"get", "list", "watch", "create", "patch"},
     "pods": {"list", "watch"},
-    "configmaps": {"get", "create"},
     "serviceaccounts": {"get", "create"},
     "roles.rbac.authorization.k8s.io": {"get", "create"},
     "rolebindings.rbac.authorization.k8s.io": {"get", "create"},

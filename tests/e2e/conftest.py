@@ -14,8 +14,14 @@ from tpuft_operator.cluster.operator_process import (
     OperatorProcess,
     install_operator,
 )
+from tpuft_operator.settings import OperatorSettings
 
-__all__ = ["OPERATOR_NAMESPACE", "SERVICE_ACCOUNT", "OperatorProcess"]
+__all__ = ["OPERATOR_NAMESPACE", "OPERATOR_SETTINGS", "SERVICE_ACCOUNT", "OperatorProcess"]
+
+# The settings the operator under test runs with (what its renders depend on).
+OPERATOR_SETTINGS = OperatorSettings(
+    trainer_image="example.invalid/tpuft-trainer:test", progress_interval_seconds=1.0
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +33,8 @@ def operator(
         kubeconfig,
         tmp_path_factory.mktemp("operator") / "operator.log",
         TPUFT_RESYNC_SECONDS="5",
-        TPUFT_TRAINER_IMAGE="example.invalid/tpuft-trainer:test",
-        TPUFT_PROGRESS_INTERVAL_SECONDS="1",
+        TPUFT_TRAINER_IMAGE=OPERATOR_SETTINGS.trainer_image,
+        TPUFT_PROGRESS_INTERVAL_SECONDS=str(OPERATOR_SETTINGS.progress_interval_seconds),
     )
     process.start()
     yield process

@@ -2,7 +2,7 @@
 
 All cases are created at once in one namespace. Each `operator` case must end in Failed with
 Valid=False naming the field, with nothing run for it; each `inert` case (valid, dangerous-looking
-strings) must run with an exec-form command, its strings only inside the ConfigMap's config YAML. After
+strings) must run with an exec-form command, its strings only inside the trainer config YAML. After
 the corpus the operator is still alive, logged no traceback, and still brings a valid run to Running.
 """
 
@@ -100,12 +100,11 @@ def test_runs_without_a_shell_and_with_the_strings_as_data(
     local_cluster: LocalCluster, corpus: dict[str, Any], case: dict[str, Any]
 ) -> None:
     name, namespace = case["name"], corpus["namespace"]
-    (config_map,) = by_label(local_cluster, "configmaps", namespace, name)
     (jobset,) = by_label(local_cluster, "jobsets", namespace, name)
     jobs = by_label(local_cluster, "jobs", namespace, name)
     pods = by_label(local_cluster, "pods", namespace, name)
     assert jobs and pods
-    live = [config_map, jobset, *jobs, *pods]
+    live = [jobset, *jobs, *pods]
     assert_inert(live, case["inert"])
     assert_secret_refs_local(live)
     for pod in pods:

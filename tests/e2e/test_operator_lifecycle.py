@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import unique
-from tests.e2e.conftest import OPERATOR_NAMESPACE, SERVICE_ACCOUNT, OperatorProcess
+from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_SETTINGS, SERVICE_ACCOUNT, OperatorProcess
 from tests.support import condition, finetune, get_json, wait_for
 from tpuft_operator.cluster import kwok
 from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.render import RenderSettings, render_run
+from tpuft_operator.render import render_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
@@ -73,7 +73,7 @@ def test_apply_to_succeeded_with_the_rendered_jobset(
     live = get_json(local_cluster, "jobset", "llama", "-n", namespace)
     expected = render_run(
         {**body, "metadata": {**body["metadata"], "uid": running["metadata"]["uid"]}},
-        RenderSettings(trainer_image="example.invalid/tpuft-trainer:test"),
+        OPERATOR_SETTINGS.render_settings(),
     )
     assert live["spec"] == expected.jobset["spec"]
     assert live["metadata"]["ownerReferences"][0]["uid"] == running["metadata"]["uid"]
@@ -216,11 +216,10 @@ def test_delete_cascades_to_everything_the_run_created(
 ) -> None:
     local_cluster.apply([finetune("doomed", namespace, pod_annotations=HOLD_RUNNING)])
     wait_phase(local_cluster, namespace, "doomed", "Running")
-    kinds = ("jobsets", "jobs", "configmaps", "serviceaccounts", "roles", "rolebindings")
+    kinds = ("jobsets", "jobs", "serviceaccounts", "roles", "rolebindings")
     selector = "tpuft.dev/finetune=doomed"
     assert all(
-        get_json(local_cluster, k, "-n", namespace, "-l", selector)["items"]
-        for k in ("jobsets", "configmaps")
+        get_json(local_cluster, k, "-n", namespace, "-l", selector)["items"] for k in ("jobsets", "jobs")
     )
     local_cluster.kubectl("delete", "tpuft", "doomed", "-n", namespace, "--wait=true", "--timeout=30s")
     wait_for(

@@ -3,8 +3,8 @@ thing with their credentials (report their own run's progress) and lose them wit
 pods cannot escalate privileges.
 
 The token reaches pods only as a secretKeyRef to a Secret of the run's own namespace; its value must not
-appear in the run's status, the namespace's Events, the operator's log, the ConfigMap, the JobSet, Jobs
-and pods, nor in `tpuft render` output. Each search is checked against a control (the Secret itself,
+appear in the run's status, the namespace's Events, the operator's log, the JobSet (and the trainer
+config inside it), Jobs and pods, nor in `tpuft render` output. Each search is checked against a control (the Secret itself,
 where the value is) so a search that could never find anything cannot pass unnoticed.
 """
 
@@ -110,7 +110,6 @@ def test_the_token_never_leaves_its_secret(
     places = {
         "TPUFineTune (with status)": text_of("tpuft", name),
         "Events": text_of("events"),
-        "ConfigMaps": text_of("configmaps"),
         "JobSets": text_of("jobsets"),
         "Jobs": text_of("jobs"),
         "Pods": text_of("pods"),

@@ -108,7 +108,7 @@ def test_mutated_config_parses_or_raises_validation_error(
     for path, value in mutations:
         set_path(obj, path, value)
     check(TrainerConfig.model_validate, obj)
-    # The same object through YAML and JSON text (what the ConfigMap holds).
+    # The same object through YAML and JSON text (what the pod annotation holds).
     check(TrainerConfig.from_yaml, yaml.safe_dump(obj))
     check(TrainerConfig.from_yaml, json.dumps(obj))
 

@@ -12,7 +12,7 @@ from tpuft_operator.render.identity import PROGRESS_ROLE, namespace_objects, pro
 
 def test_runs_have_no_rbac_objects_of_their_own_and_pods_use_the_namespace_account() -> None:
     run = render_run(finetune())
-    assert [o["kind"] for o in run.objects] == ["ConfigMap", "JobSet"]
+    assert [o["kind"] for o in run.objects] == ["JobSet"]
     pod = run.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == naming.TRAINER_SERVICE_ACCOUNT
     assert run.namespace_objects == namespace_objects("ns")
@@ -38,7 +38,7 @@ def test_a_user_named_account_gets_a_binding_owned_by_the_run() -> None:
     assert binding["kind"] == "RoleBinding" and binding["roleRef"]["name"] == PROGRESS_ROLE
     assert binding["subjects"][0]["name"] == "fine-tuner"
     assert binding["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    assert [o["kind"] for o in run.objects] == ["RoleBinding", "ConfigMap", "JobSet"]
+    assert [o["kind"] for o in run.objects] == ["RoleBinding", "JobSet"]
 
 
 def test_the_policy_freezes_every_status_field_but_progress() -> None:

@@ -82,7 +82,7 @@ def running_pods() -> list[dict[str, Any]]:
     return [pod("run-slice-0-0-aaaaa"), pod("run-slice-0-1-bbbbb")]
 
 
-def test_a_new_run_costs_config_jobset_and_one_status_write_with_settling() -> None:
+def test_a_new_run_costs_its_jobset_and_one_status_write_with_settling() -> None:
     api, events = RecordingApi(), Events()
     r, deferred = reconciler(api, settle=2.0)
     run = new_run()
@@ -94,7 +94,7 @@ def test_a_new_run_costs_config_jobset_and_one_status_write_with_settling() -> N
     r.reconcile(run, None, running_pods(), event=events)
     writes = api.writes()
     per_run = [w for w in writes if w[0] != "ensure"]
-    assert per_run == [("create", "ConfigMap"), ("create", "JobSet"), ("status", "Running")]
+    assert per_run == [("create", "JobSet"), ("status", "Running")]
     # The namespace's shared identity, once.
     assert [w for w in writes if w[0] == "ensure"] == [
         ("ensure", "ServiceAccount"),

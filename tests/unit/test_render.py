@@ -16,6 +16,7 @@ from tpuft_operator import topology
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.render import RenderSettings, naming, render_run
 from tpuft_operator.render.cli import render as render_command
+from tpuft_operator.render.jobset import CONFIG_ANNOTATION, config_of
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
 
@@ -131,9 +132,9 @@ def test_token_only_through_secret_key_ref() -> None:
     run = render_run(obj, RenderSettings(token_env="HF_TOKEN"))
     env = pod_spec(run.jobset)["containers"][0]["env"]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
-    config = TrainerConfig.from_yaml(run.config_map["data"]["config.yaml"])
+    config = TrainerConfig.from_yaml(config_of(run.jobset))
     assert config.model.token_env == "HF_TOKEN"
-    assert "secretKeyRef" not in run.config_map["data"]["config.yaml"]
+    assert "secretKeyRef" not in config_of(run.jobset)
 
 
 def test_command_is_exec_form_and_never_carries_spec_values() -> None:
@@ -219,11 +220,36 @@ def test_trainer_env_for_the_world() -> None:
 
 def test_trainer_config_round_trips_and_names_the_progress_target() -> None:
     run = render_run(with_spec(training={"method": "lora", "epochs": 2, "lora": {"r": 8}}))
-    config = TrainerConfig.from_yaml(run.config_map["data"]["config.yaml"])
+    config = TrainerConfig.from_yaml(config_of(run.jobset))
     assert config == run.trainer_config
     assert (config.progress.namespace, config.progress.name) == ("ns", "run")
     assert config.training.lora is not None and config.training.lora.r == 8
     assert config.training.epochs == 2 and config.training.max_steps is None
+
+
+def test_the_config_travels_in_the_pod_template_and_reaches_the_trainer_as_a_file() -> None:
+    run = render_run(with_spec(podAnnotations={"gke-gcsfuse/volumes": "true"}))
+    template = run.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    # The user's annotations stay; the config joins them (no separate object to create or lose).
+    assert template["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+    assert (
+        TrainerConfig.from_yaml(template["metadata"]["annotations"][CONFIG_ANNOTATION]) == run.trainer_config
+    )
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "tpuft-config"]
+    assert volume["downwardAPI"]["items"] == [
+        {"path": "config.yaml", "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}
+    ]
+    (container,) = template["spec"]["containers"]
+    assert {"name": "tpuft-config", "mountPath": "/etc/tpuft", "readOnly": True} in container["volumeMounts"]
+    assert container["command"][-1] == "/etc/tpuft/config.yaml"
+    assert [o["kind"] for o in run.objects] == ["JobSet"]
+
+
+def test_a_pod_annotation_may_not_replace_the_trainer_config() -> None:
+    with pytest.raises(SpecError) as error:
+        render_run(with_spec(podAnnotations={CONFIG_ANNOTATION: "model: {name: evil/model}"}))
+    assert error.value.field == "spec.podAnnotations"
+    assert "reserved" in error.value.reason
 
 
 def test_lora_method_without_settings_uses_defaults() -> None:
@@ -259,7 +285,7 @@ def test_cli_renders_yaml_and_json(tmp_path: Any) -> None:
     result = runner.invoke(render_command, ["-f", str(path)])
     assert result.exit_code == 0, result.output
     kinds = [d["kind"] for d in yaml.safe_load_all(result.output)]
-    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "JobSet"]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
     result = runner.invoke(render_command, ["-f", str(path), "-o", "json"])
     assert result.exit_code == 0 and '"kind": "List"' in result.output
 

@@ -13,7 +13,7 @@ from tpuft_operator.settings import OperatorSettings
 POD = Resource("", "v1", "pods", kind="Pod", namespaced=True)
 JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets", kind="JobSet", namespaced=True)
 FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes", kind="TPUFineTune", namespaced=True)
-CONFIGMAP = Resource("", "v1", "configmaps", kind="ConfigMap", namespaced=True)
+SECRET = Resource("", "v1", "secrets", kind="Secret", namespaced=True)
 
 
 def configured(**values: object) -> kopf.OperatorSettings:
@@ -27,7 +27,7 @@ def test_only_the_pods_and_jobsets_of_runs_are_watched() -> None:
     assert list(selectors.collect(POD)) == ["tpuft.dev/finetune"]
     assert list(selectors.collect(JOBSET)) == ["tpuft.dev/finetune"]
     assert list(selectors.collect(FINETUNE)) == []  # every TPUFineTune is ours
-    assert list(selectors.collect(CONFIGMAP)) == []
+    assert list(selectors.collect(SECRET)) == []
 
 
 def test_kopf_writes_nothing_on_our_objects_and_posts_only_errors_itself() -> None:

@@ -64,10 +64,6 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
-# The trainer configuration of each run: create; get to adopt after a restart.
-- apiGroups: [""]
-  resources: ["configmaps"]
-  verbs: ["get", "create"]
 # The progress channel's identity: once per namespace the trainer ServiceAccount and a Role +
 # RoleBinding for run statuses (the chart's progress-policy.yaml limits each pod to its own run's
 # status.progress); per run only a RoleBinding when the user names the pods' ServiceAccount.

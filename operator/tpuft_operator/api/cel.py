@@ -29,6 +29,13 @@ IMMUTABLE_MESSAGE = (
 
 Rule = dict[str, Any]
 
+# The pod annotation the operator writes the trainer config into (render/jobset.py): reserved, so a
+# user's spec.podAnnotations can neither replace the config nor be silently overwritten by it.
+TRAINER_CONFIG_ANNOTATION = "tpuft.dev/trainer-config"
+RESERVED_ANNOTATION_MESSAGE = (
+    f"{TRAINER_CONFIG_ANNOTATION} is reserved: the operator puts the trainer config there"
+)
+
 # CEL building blocks over a TpuSpec (`self` is spec.tpu).
 _WELL_FORMED = f"self.topology.matches('{TOPOLOGY_PATTERN}')"
 _DIMS = "self.topology.split('x')"
@@ -215,8 +222,17 @@ def _mesh_rule() -> Rule:
     }
 
 
+def _reserved_annotation_rule() -> Rule:
+    return {
+        "rule": f"!has(self.podAnnotations) || !('{TRAINER_CONFIG_ANNOTATION}' in self.podAnnotations)",
+        "message": RESERVED_ANNOTATION_MESSAGE,
+        "fieldPath": ".podAnnotations",
+        "reason": "FieldValueForbidden",
+    }
+
+
 def spec_rules() -> list[Rule]:
-    rules: list[Rule] = [_mesh_rule()]
+    rules: list[Rule] = [_mesh_rule(), _reserved_annotation_rule()]
     for field, optional in IMMUTABLE_FIELDS.items():
         if optional:
             rule = (

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tpuft_operator.api.cel import RESERVED_ANNOTATION_MESSAGE, TRAINER_CONFIG_ANNOTATION
 from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import TPU_RESOURCE, TopologyError, resolve
 
@@ -262,7 +263,9 @@ def _pod_template_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     here, the run fails with the field named instead of waiting forever for pods that never come."""
     errors: list[FieldError] = []
     for key in spec.pod_annotations or {}:
-        if not QUALIFIED_NAME.match(key):
+        if key == TRAINER_CONFIG_ANNOTATION:
+            errors.append(FieldError("spec.podAnnotations", RESERVED_ANNOTATION_MESSAGE))
+        elif not QUALIFIED_NAME.match(key):
             errors.append(FieldError("spec.podAnnotations", f"{key!r} is not a valid annotation key"))
     for i, t in enumerate(spec.tolerations or []):
         where = f"spec.tolerations[{i}]"

@@ -3,8 +3,8 @@
 kwok schedules and starts pods on fake TPU nodes but runs nothing. For `make demo` (and the e2e test
 of progress), pods annotated ``tpuft.dev/run-on-host: "true"`` are executed for real: the executor
 waits until kwok reports the pod Running, then runs the container's exact command on this machine
-with the pod's environment (values, downward-API fields, Secret keys), its ConfigMap volumes
-materialised in a temporary directory, and credentials of the pod's ServiceAccount (a bound token,
+with the pod's environment (values, downward-API fields, Secret keys), its downward-API and
+ConfigMap volumes materialised in a temporary directory, and credentials of the pod's ServiceAccount (a bound token,
 so RBAC applies exactly as in the pod). When the process exits it reports the exit code in the pod
 status, as a kubelet does. `google.com/tpu: N` becomes N PJRT CPU devices.
 
@@ -163,12 +163,22 @@ class LocalExecutor:
         self._running[name] = HostProcess(name, process, workdir, log_path)
 
     def _mounts(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
-        """mountPath -> host path, materialising ConfigMap volumes."""
+        """mountPath -> host path, materialising downward-API and ConfigMap volumes."""
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         mounts: dict[str, str] = {}
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"], {})
-            if "configMap" in volume:
+            if "downwardAPI" in volume:  # the trainer config (render/jobset.py)
+                target = workdir / "volumes" / mount["name"]
+                target.mkdir(parents=True, exist_ok=True)
+                for item in volume["downwardAPI"].get("items") or []:
+                    if "fieldRef" not in item:
+                        raise PodSpecError(f"volume {mount['name']}: only fieldRef items are supported")
+                    path = target / item["path"]
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(_field_value(pod, item["fieldRef"]["fieldPath"]))
+                mounts[mount["mountPath"]] = str(target)
+            elif "configMap" in volume:
                 target = workdir / "volumes" / mount["name"]
                 target.mkdir(parents=True, exist_ok=True)
                 cm = json.loads(

@@ -1,7 +1,7 @@
 """Rendering: a TPUFineTune -> every object the operator creates for it. Pure functions, no I/O.
 
 run = render_run(ft, RenderSettings())
-run.objects             # [ConfigMap, JobSet] (+ a RoleBinding first for a user-named account)
+run.objects             # [JobSet] (+ a RoleBinding first for a user-named account)
 run.namespace_objects   # the namespace's trainer ServiceAccount + progress Role/RoleBinding, shared
 """
 
@@ -14,7 +14,7 @@ from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, parse, validate
 from tpuft_operator.render import naming
 from tpuft_operator.render.identity import namespace_objects, run_objects
-from tpuft_operator.render.jobset import config_map, jobset
+from tpuft_operator.render.jobset import jobset
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.render.trainer_config import trainer_config
 from tpuft_operator.topology import SliceShape, resolve
@@ -27,8 +27,7 @@ __all__ = ["RenderSettings", "RenderedRun", "SpecError", "render_run"]
 class RenderedRun:
     """What the operator creates for one TPUFineTune, and the facts it was computed from."""
 
-    jobset: dict[str, Any]
-    config_map: dict[str, Any]
+    jobset: dict[str, Any]  # its pod template carries the trainer config (render/jobset.py)
     trainer_config: TrainerConfig
     shape: SliceShape
     # The progress channel's RoleBinding for a user-named pod ServiceAccount; usually empty.
@@ -40,8 +39,8 @@ class RenderedRun:
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        """The run's own objects in creation order: the ConfigMap exists before the JobSet makes pods."""
-        return [*self.identity, self.config_map, self.jobset]
+        """The run's own objects in creation order: the RoleBinding (if any) before the pods need it."""
+        return [*self.identity, self.jobset]
 
     @property
     def namespace_objects(self) -> list[dict[str, Any]]:
@@ -62,8 +61,7 @@ def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None
     shape = resolve(tpu.type, tpu.topology, slices=tpu.slices, chips_per_host=tpu.chips_per_host)
     config = trainer_config(ft, shape, settings)
     return RenderedRun(
-        jobset=jobset(ft, shape, settings),
-        config_map=config_map(ft, config.to_yaml()),
+        jobset=jobset(ft, shape, config.to_yaml(), settings),
         trainer_config=config,
         shape=shape,
         identity=tuple(run_objects(ft)),

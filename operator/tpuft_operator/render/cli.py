@@ -40,7 +40,8 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 @click.option("--image", default=None, help="Trainer image to use when spec.image is not set.")
 def render(path: Path, fmt: str, image: str | None) -> None:
     """Print every object the operator would create for a TPUFineTune: the namespace's trainer
-    ServiceAccount and progress Role/RoleBinding (once per namespace), then the ConfigMap and JobSet.
+    ServiceAccount and progress Role/RoleBinding (once per namespace), then the JobSet (the
+    trainer config inside it, as a pod annotation).
 
     Without metadata.uid (a file not read back from a cluster) the objects carry no ownerReferences.
     """

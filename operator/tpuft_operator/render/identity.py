@@ -8,8 +8,9 @@ parts keep the channel to its one purpose:
 - RBAC, once per namespace (`namespace_objects`): the ServiceAccount ``tpuft-trainer`` that trainer
   pods run as, and a Role + RoleBinding that let it ``get``/``patch`` ``tpufinetunes/status`` in the
   namespace. Created by the operator the first time it sees a run in the namespace, then never again:
-  no RBAC objects per run, so a run costs three writes (ConfigMap, JobSet, status), and Role creates,
-  slow because the apiserver checks them for privilege escalation, happen once per namespace.
+  no RBAC objects per run, so a run costs three writes to reach Running (JobSet, Pending, Running),
+  and Role creates, slow because the apiserver checks them for privilege escalation, happen once per
+  namespace.
 - A ValidatingAdmissionPolicy (the chart's ``progress-policy.yaml``, generated from the status model
   by `progress_policy`): a caller who may not list TPUFineTunes (anyone but the operator and
   administrators) may change a TPUFineTune's status only from a pod of that run's JobSet, and only

@@ -1,7 +1,13 @@
-"""TPUFineTune -> JobSet (jobset.x-k8s.io/v1alpha2) and the ConfigMap holding the trainer config.
+"""TPUFineTune -> JobSet (jobset.x-k8s.io/v1alpha2), the trainer config inside it.
 
 Layout: one replicated job ``slice`` with one Job per TPU slice (replicas = slices) and one pod per
 TPU VM (parallelism = completions = hosts per slice, Indexed). Each pod requests all chips of its VM.
+
+The trainer config travels in the pod template, as the annotation ``tpuft.dev/trainer-config``, and
+a downward-API volume shows it to the trainer as ``/etc/tpuft/config.yaml``. Why not a ConfigMap:
+one object means one write per run fewer (the benchmark's scarce resource is the API server), the
+config and the pods that read it are created atomically, and no one can delete the config from under
+a JobSet that restarts later. A config is ~1 KiB; an object's annotations may hold 256 KiB.
 
 Every field the JobSet webhook would default is set here explicitly (successPolicy, startupPolicy,
 network, completionMode, restartPolicy, failure-rule names, restartStrategy, groupName), so the object
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tpuft_operator.api.cel import TRAINER_CONFIG_ANNOTATION
 from tpuft_operator.api.models import API_VERSION, KIND, TPUFineTune
 from tpuft_operator.render import naming
 from tpuft_operator.render.settings import RenderSettings
@@ -34,6 +41,8 @@ CONTAINER = "trainer"
 CONFIG_VOLUME = "tpuft-config"
 CONFIG_DIR = "/etc/tpuft"
 CONFIG_KEY = "config.yaml"
+# The pod annotation that holds the trainer config (YAML); spec.podAnnotations may not set it.
+CONFIG_ANNOTATION = TRAINER_CONFIG_ANNOTATION
 
 FINETUNE_LABEL = "tpuft.dev/finetune"
 FINETUNE_UID_LABEL = "tpuft.dev/finetune-uid"
@@ -70,15 +79,6 @@ def common_labels(ft: TPUFineTune) -> dict[str, str]:
     if ft.metadata.uid:
         labels[FINETUNE_UID_LABEL] = ft.metadata.uid
     return labels
-
-
-def config_map(ft: TPUFineTune, config_yaml: str) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": object_metadata(ft, naming.config_map_name(ft.metadata.name), common_labels(ft), {}),
-        "data": {CONFIG_KEY: config_yaml},
-    }
 
 
 def object_metadata(ft: TPUFineTune, name: str, labels: dict[str, str], annotations: dict[str, str]) -> Obj:
@@ -133,7 +133,7 @@ def env(ft: TPUFineTune, jobset: str, settings: RenderSettings) -> list[Obj]:
     ]
     ref = ft.spec.model.token_secret_ref
     if ref is not None:
-        # The token's only way in: a secretKeyRef, never the ConfigMap or the command line.
+        # The token's only way in: a secretKeyRef, never the trainer config or the command line.
         out.append(
             {"name": settings.token_env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
         )
@@ -170,7 +170,9 @@ def security_context(settings: RenderSettings) -> tuple[Obj, Obj]:
     return pod, container
 
 
-def pod_template(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: RenderSettings) -> Obj:
+def pod_template(
+    ft: TPUFineTune, shape: SliceShape, jobset: str, config_yaml: str, settings: RenderSettings
+) -> Obj:
     spec = ft.spec
     pod_security, container_security = security_context(settings)
     container: Obj = {
@@ -197,9 +199,13 @@ def pod_template(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: Rend
         "volumes": [
             {
                 "name": CONFIG_VOLUME,
-                "configMap": {
-                    "name": naming.config_map_name(ft.metadata.name),
-                    "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}],
+                "downwardAPI": {
+                    "items": [
+                        {
+                            "path": CONFIG_KEY,
+                            "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"},
+                        }
+                    ],
                 },
             },
             *[dict(v) for v in spec.volumes or []],
@@ -210,10 +216,15 @@ def pod_template(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: Rend
     pod_spec["serviceAccountName"] = naming.pod_service_account(spec.service_account_name)
     if spec.priority_class_name is not None:
         pod_spec["priorityClassName"] = spec.priority_class_name
-    metadata: Obj = {"labels": common_labels(ft)}
-    if spec.pod_annotations:
-        metadata["annotations"] = dict(spec.pod_annotations)
-    return {"metadata": metadata, "spec": pod_spec}
+    # The config last: validation refuses the key in spec.podAnnotations, and it would win anyway.
+    annotations = {**(spec.pod_annotations or {}), CONFIG_ANNOTATION: config_yaml}
+    return {"metadata": {"labels": common_labels(ft), "annotations": annotations}, "spec": pod_spec}
+
+
+def config_of(jobset: Obj) -> str:
+    """The trainer config (YAML) a rendered or live JobSet gives its pods."""
+    template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    return str(template["metadata"]["annotations"][CONFIG_ANNOTATION])
 
 
 def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
@@ -255,7 +266,8 @@ def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
     return pod_failure_policy, jobset_failure_policy
 
 
-def jobset(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings) -> Obj:
+def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: RenderSettings) -> Obj:
+    """The run's JobSet; ``config_yaml`` is the trainer config its pods read (trainer_config.py)."""
     spec = ft.spec
     name = naming.jobset_name(ft.metadata.name)
     labels = common_labels(ft)
@@ -292,7 +304,7 @@ def jobset(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings) -> Obj:
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
                             "podFailurePolicy": pod_failure_policy,
-                            "template": pod_template(ft, shape, name, settings),
+                            "template": pod_template(ft, shape, name, config_yaml, settings),
                         },
                     },
                 }

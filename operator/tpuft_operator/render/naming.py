@@ -42,10 +42,6 @@ def jobset_name(finetune_name: str) -> str:
     return short_name(finetune_name, MAX_JOBSET_NAME)
 
 
-def config_map_name(finetune_name: str) -> str:
-    return f"{jobset_name(finetune_name)}-config"
-
-
 def label_value(text: str) -> str:
     """A label value for ``text`` (<= 63 characters): itself when it fits, else prefix + hash."""
     if len(text) <= 63:

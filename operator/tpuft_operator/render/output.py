@@ -1,4 +1,4 @@
-"""YAML for people: multi-line strings (the trainer config inside the ConfigMap) as literal blocks."""
+"""YAML for people: multi-line strings (the trainer config in the pod template's annotation) as literal blocks."""
 
 from __future__ import annotations
 
