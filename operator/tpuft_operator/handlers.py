@@ -27,7 +27,8 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.settings import OperatorSettings
-from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL, is_final
+from tpuft_operator.slim import slim_finetune, slim_jobset, slim_pod
+from tpuft_operator.status import is_final
 from tpuft_operator.workqueue import WorkQueue
 
 FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
@@ -36,7 +37,7 @@ PODS = ("", "v1", "pods")
 OWNED = {FINETUNE_LABEL: kopf.PRESENT}
 
 Key = tuple[str, str]
-# An indexed object, reduced to what the reconcile reads (slim_finetune, slim_jobset, slim_pod).
+# An indexed object, reduced to what the reconcile reads (slim.py).
 Slim = dict[str, Any]
 
 _log = logging.getLogger("tpuft.workers")
@@ -48,52 +49,6 @@ def _event_sink(body: Mapping[str, Any]) -> Any:
         kopf.event(cast(kopf.Body, body), type=type_, reason=reason, message=message[:1024])
 
     return post
-
-
-# What the reconcile reads of each kind (status.py, reconcile.py). The indexes keep only this: full
-# bodies (managedFields, last-applied annotations, pod specs) cost ~0.3 MB per run at scale.
-def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
-    meta = body.get("metadata") or {}
-    keep = (
-        "name",
-        "namespace",
-        "uid",
-        "generation",
-        "resourceVersion",
-        "deletionTimestamp",
-        "creationTimestamp",
-    )
-    return {
-        "apiVersion": body.get("apiVersion"),
-        "kind": body.get("kind"),
-        "metadata": {k: meta[k] for k in keep if k in meta},
-        "spec": body.get("spec") or {},
-        "status": body.get("status") or {},
-    }
-
-
-def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
-    meta = body.get("metadata") or {}
-    return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
-        "spec": {"suspend": (body.get("spec") or {}).get("suspend")},
-        "status": body.get("status") or {},
-    }
-
-
-def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
-    status = body.get("status") or {}
-    meta = body.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    attempt_labels = {k: labels[k] for k in (JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL) if k in labels}
-    return {
-        "metadata": {
-            "name": meta.get("name"),
-            "labels": attempt_labels,
-            **({"deletionTimestamp": meta["deletionTimestamp"]} if meta.get("deletionTimestamp") else {}),
-        },
-        "status": {k: status[k] for k in ("phase", "conditions", "containerStatuses") if k in status},
-    }
 
 
 def _latest(index: kopf.Index[Key, Slim], key: Key) -> Slim | None:

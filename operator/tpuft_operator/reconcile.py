@@ -20,7 +20,9 @@ from tpuft_operator import metrics
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.k8s import Api, ApiError
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
+from tpuft_operator.slim import slim_finetune, slim_jobset
 from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, is_final, status_patch
+from tpuft_operator.topology import SliceShape
 
 Obj = Mapping[str, Any]
 # How often the shared per-namespace progress identity is re-checked (it is created once).
@@ -33,14 +35,15 @@ EventSink = Callable[[str, str, str], None]
 class Decision:
     """What the reconciler should do for one run, decided from observations alone."""
 
-    create: bool = False  # create (or adopt) the identity, ConfigMap and JobSet
+    create: bool = False  # create (or adopt) the identity and the JobSet
     recreated: bool = False  # the JobSet existed before and someone deleted it
     set_suspend: bool | None = None  # merge-patch JobSet spec.suspend to this value
 
 
-def decide(finetune: Obj, rendered: RenderedRun | None, jobset: Obj | None) -> Decision:
-    if rendered is None:
-        return Decision()  # invalid spec: nothing to create; status says why
+def decide(finetune: Obj, valid: bool, jobset: Obj | None) -> Decision:
+    """``valid``: the spec renders (else nothing is created; the status says why)."""
+    if not valid:
+        return Decision()
     status = finetune.get("status") or {}
     if is_final(finetune, jobset):
         return Decision()  # finished runs are never restarted or recreated
@@ -89,7 +92,11 @@ class Reconciler:
     _created_at: dict[tuple[str, str], float] = field(default_factory=dict)
     # The render of each run by (uid, generation): rendering reads only the name, uid and spec, and
     # every pod and JobSet event reconciles the run; re-rendering for each cost ~15% of the CPU.
-    _renders: dict[tuple[str, str], tuple[str, int, RenderedRun | SpecError]] = field(default_factory=dict)
+    # Once the run's JobSet exists only its shape is kept (~1 KB instead of ~18 KB a run); a JobSet
+    # to recreate is rendered again.
+    _renders: dict[tuple[str, str], tuple[str, int, RenderedRun | SliceShape | SpecError]] = field(
+        default_factory=dict
+    )
     # Namespaces whose shared progress identity this process has made sure of, and when.
     _namespaces: dict[str, float] = field(default_factory=dict)
 
@@ -111,11 +118,16 @@ class Reconciler:
         with self._locks_guard:
             self._jobsets.pop(key, None)
 
-    def _render(self, key: tuple[str, str], finetune: Obj) -> RenderedRun | SpecError:
+    def _render(
+        self, key: tuple[str, str], finetune: Obj, *, full: bool
+    ) -> RenderedRun | SliceShape | SpecError:
+        """The run's render, or only its shape when a cached one will do (``full``: the objects are
+        needed, to create them)."""
         meta = finetune["metadata"]
         uid, generation = str(meta.get("uid")), int(meta.get("generation") or 0)
         cached = self._renders.get(key)
-        if cached is not None and cached[:2] == (uid, generation):
+        only_shape = cached is not None and isinstance(cached[2], SliceShape)
+        if cached is not None and cached[:2] == (uid, generation) and not (full and only_shape):
             return cached[2]
         # The desired state depends on the spec alone; status and server-set metadata stay out.
         desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
@@ -126,6 +138,11 @@ class Reconciler:
             result = error
         self._renders[key] = (uid, generation, result)
         return result
+
+    def _keep_only_shape(self, key: tuple[str, str]) -> None:
+        cached = self._renders.get(key)
+        if cached is not None and isinstance(cached[2], RenderedRun):
+            self._renders[key] = (cached[0], cached[1], cached[2].shape)
 
     def _known_jobset(self, key: tuple[str, str], finetune: Obj, jobset: Obj | None) -> Obj | None:
         """The indexed JobSet, else the one this process created or adopted for this run.
@@ -154,7 +171,7 @@ class Reconciler:
         writing the run's status: without this line the log would never mention the JobSet."""
         if key in self._jobsets or (finetune.get("status") or {}).get("jobSetName"):
             return
-        self._jobsets[key] = (str(finetune["metadata"].get("uid")), jobset)
+        self._jobsets[key] = (str(finetune["metadata"].get("uid")), slim_jobset(jobset))
         log.info("adopted existing JobSet %s", jobset["metadata"]["name"])
 
     def _ensure_namespace_identity(self, rendered: RenderedRun) -> None:
@@ -191,6 +208,8 @@ class Reconciler:
             newer = int(written["metadata"]["resourceVersion"]) > int(finetune["metadata"]["resourceVersion"])
         except (KeyError, ValueError):
             return finetune  # resourceVersions are opaque in general; only compare etcd's integers
+        if not newer:
+            self._written.pop(key, None)  # the watch has caught up: no need to keep a copy
         return written if newer else finetune
 
     def reconcile(
@@ -232,14 +251,17 @@ class Reconciler:
         finetune = self._freshest(key, finetune)
         jobset = self._known_jobset(key, finetune, jobset)
         rendered: RenderedRun | None = None
+        shape: SliceShape | None = None
         spec_error: tuple[str, str] | None = None
-        result = self._render(key, finetune)
+        result = self._render(key, finetune, full=jobset is None)
         if isinstance(result, SpecError):
             spec_error = (result.field, result.reason)
+        elif isinstance(result, RenderedRun):
+            rendered, shape = result, result.shape
         else:
-            rendered = result
+            shape = result
 
-        decision = decide(finetune, rendered, jobset)
+        decision = decide(finetune, spec_error is None, jobset)
         if jobset is not None and not decision.create:
             self._adopt_unrecorded(key, finetune, jobset, log)
         creation_error: ApiError | None = None
@@ -249,8 +271,8 @@ class Reconciler:
                 for obj in rendered.objects:
                     live, created = self.api.create_or_adopt(obj)
                     if obj["kind"] == "JobSet":
-                        jobset = live
-                        self._jobsets[key] = (str(finetune["metadata"].get("uid")), live)
+                        jobset = slim_jobset(live)
+                        self._jobsets[key] = (str(finetune["metadata"].get("uid")), jobset)
                         if created:
                             self._created_at[key] = time.monotonic()
                         if created and decision.recreated:
@@ -284,7 +306,7 @@ class Reconciler:
                     # (a pod rule we do not check): no retry can fix it, so the run fails saying why.
                     log.warning("the spec renders to an object the apiserver refuses: %s", error)
                     spec_error = ("spec", f"the apiserver refused an object rendered from this spec: {error}")
-                    rendered = None
+                    rendered, shape = None, None
         if decision.set_suspend is not None and jobset is not None:
             self.api.patch_jobset_suspend(namespace, jobset["metadata"]["name"], decision.set_suspend)
             verb = "suspended" if decision.set_suspend else "resumed"
@@ -296,7 +318,8 @@ class Reconciler:
             )
             jobset = {**jobset, "spec": {**(jobset.get("spec") or {}), "suspend": decision.set_suspend}}
 
-        shape = rendered.shape if rendered is not None else None
+        if jobset is not None:
+            self._keep_only_shape(key)
         derived = derive_status(
             Observed(
                 finetune=finetune,
@@ -317,12 +340,8 @@ class Reconciler:
         if settle > 0:
             self.defer(key, settle)  # the next reconcile writes whatever is true by then
         elif patch is not None:
-            written = dict(self.api.patch_finetune_status(namespace, name, patch))
-            # Kept until the watch catches up; without managedFields and annotations (memory).
-            written["metadata"] = {
-                k: v for k, v in written["metadata"].items() if k not in ("managedFields", "annotations")
-            }
-            self._written[key] = written
+            # Kept until the watch catches up, reduced as the index reduces it (memory).
+            self._written[key] = slim_finetune(self.api.patch_finetune_status(namespace, name, patch))
             self._created_at.pop(key, None)
             self._post_transition_events(current, derived, patch, event, log)
         if derived["phase"] in TERMINAL_PHASES:

@@ -16,6 +16,7 @@ from tests.unit.test_status import NOW, finetune, pod
 from tpuft_operator import reconcile
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
+from tpuft_operator.topology import SliceShape
 
 KEY = ("ns", "run")
 
@@ -136,12 +137,23 @@ def test_an_event_before_the_jobset_reaches_the_index_does_not_create_it_again()
     assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet")]
 
 
+def test_once_the_jobset_exists_the_reconciler_keeps_only_what_it_reads() -> None:
+    # Memory at N=1000 (docs/benchmarks.md): the full render (~18 KB) and the created JobSet with its
+    # pod template are not kept for the life of the run; only the shape and a slim JobSet are.
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    r.reconcile(new_run(), None, [], event=Events())
+    assert isinstance(r._renders[KEY][2], SliceShape)
+    _, remembered = r._jobsets[KEY]
+    assert set(remembered["spec"]) == {"suspend"}
+
+
 def test_a_deleted_jobset_is_recreated() -> None:
     api = RecordingApi()
     r, _ = reconciler(api)
     run = new_run()
     r.reconcile(run, None, [], event=Events())
-    api.existing.clear()  # someone deleted the JobSet (and the ConfigMap)
+    api.existing.clear()  # someone deleted the JobSet
     r.jobset_deleted(KEY)
     events = Events()
     r.reconcile(run, None, [], event=events)
@@ -178,7 +190,7 @@ def test_the_namespace_identity_is_ensured_once_per_namespace() -> None:
 
 
 def test_slim_index_entries_derive_the_same_status_as_full_bodies() -> None:
-    from tpuft_operator.handlers import slim_finetune, slim_jobset, slim_pod
+    from tpuft_operator.slim import slim_finetune, slim_jobset, slim_pod
     from tpuft_operator.status import Observed, derive_status
 
     run = new_run()

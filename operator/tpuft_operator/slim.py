@@ -1,0 +1,57 @@
+"""Objects reduced to what the reconcile reads of them (status.py, reconcile.py).
+
+The operator keeps the latest TPUFineTune, JobSet and pods of every run in memory (the handlers'
+indexes; the reconciler's JobSet of record). Full bodies (managedFields, last-applied annotations,
+pod specs, the JobSet's pod template with its trainer config) cost tens of KB per run at scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
+
+
+def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    keep = (
+        "name",
+        "namespace",
+        "uid",
+        "generation",
+        "resourceVersion",
+        "deletionTimestamp",
+        "creationTimestamp",
+    )
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {k: meta[k] for k in keep if k in meta},
+        "spec": body.get("spec") or {},
+        "status": body.get("status") or {},
+    }
+
+
+def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+        "spec": {"suspend": (body.get("spec") or {}).get("suspend")},
+        "status": body.get("status") or {},
+    }
+
+
+def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
+    status = body.get("status") or {}
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    attempt_labels = {k: labels[k] for k in (JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL) if k in labels}
+    return {
+        "metadata": {
+            "name": meta.get("name"),
+            "labels": attempt_labels,
+            **({"deletionTimestamp": meta["deletionTimestamp"]} if meta.get("deletionTimestamp") else {}),
+        },
+        "status": {k: status[k] for k in ("phase", "conditions", "containerStatuses") if k in status},
+    }
