@@ -89,7 +89,7 @@ rules:
   users: ["{OPERATOR_USER}"]
 - level: Metadata
   verbs: [create]
-  resources: [{{group: jobset.x-k8s.io, resources: [jobsets]}}]
+  resources: [{{group: jobset.x-k8s.io, resources: [jobsets]}}, {{group: tpuft.dev, resources: [tpufinetunes]}}]
 - level: None
 """
 
@@ -363,8 +363,10 @@ def _audit_time(stamp: str) -> float:
 def latency_breakdown(
     path: Path, offset: int, namespace: str, sent: dict[str, float], seen: dict[str, float]
 ) -> dict[str, Any]:
-    """Per run: send -> JobSet POST received, the POST in the apiserver, POST done -> watch sees it."""
-    posts: dict[str, tuple[float, float]] = {}
+    """Per run: send -> JobSet POST received, the POST in the apiserver, POST done -> watch sees it;
+    in the operator phase the first part is split at the TPUFineTune's POST (send -> received, in the
+    apiserver, done -> the operator's JobSet POST received: the operator's reaction)."""
+    posts: dict[str, dict[str, tuple[float, float]]] = {"jobsets": {}, "tpufinetunes": {}}
     with path.open() as log:
         log.seek(offset)
         for line in log:
@@ -372,21 +374,28 @@ def latency_breakdown(
             ref = entry.get("objectRef") or {}
             if (
                 entry["verb"] == "create"
-                and ref.get("resource") == "jobsets"
+                and ref.get("resource") in posts
                 and ref.get("namespace") == namespace
                 and (entry.get("responseStatus") or {}).get("code") == 201
             ):
                 match = RUN_NAME.match(ref.get("name") or "")
                 if match:
                     received = _audit_time(entry["requestReceivedTimestamp"])
-                    posts[match.group(1)] = (received, _audit_time(entry["stageTimestamp"]))
-    runs = [r for r in posts if r in sent and r in seen]
-    return {
+                    posts[ref["resource"]][match.group(1)] = (received, _audit_time(entry["stageTimestamp"]))
+    jobsets, finetunes = posts["jobsets"], posts["tpufinetunes"]
+    runs = [r for r in jobsets if r in sent and r in seen]
+    split: dict[str, Any] = {
         "runs": len(runs),
-        "send_to_jobset_post": percentiles([posts[r][0] - sent[r] for r in runs]),
-        "jobset_post_in_apiserver": percentiles([posts[r][1] - posts[r][0] for r in runs]),
-        "jobset_post_done_to_seen": percentiles([seen[r] - posts[r][1] for r in runs]),
+        "send_to_jobset_post": percentiles([jobsets[r][0] - sent[r] for r in runs]),
+        "jobset_post_in_apiserver": percentiles([jobsets[r][1] - jobsets[r][0] for r in runs]),
+        "jobset_post_done_to_seen": percentiles([seen[r] - jobsets[r][1] for r in runs]),
     }
+    runs = [r for r in runs if r in finetunes]
+    if runs:
+        split["send_to_finetune_post"] = percentiles([finetunes[r][0] - sent[r] for r in runs])
+        split["finetune_post_in_apiserver"] = percentiles([finetunes[r][1] - finetunes[r][0] for r in runs])
+        split["finetune_done_to_jobset_post"] = percentiles([jobsets[r][0] - finetunes[r][1] for r in runs])
+    return split
 
 
 def operator_listed(path: Path) -> bool:
