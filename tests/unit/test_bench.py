@@ -1,0 +1,125 @@
+"""The benchmark's own arithmetic (bench/): what the report's numbers are computed from.
+
+The benchmark is not part of `make test` (it takes ~20 minutes), but its parsing of the audit log
+and its lower bound decide what docs/benchmarks.md claims; these tests run them on made-up logs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench.__main__ import creation_bound
+from bench.operator import OPERATOR_USER, audit_requests, latency_breakdown, percentiles
+
+
+def stamp(monotonic: float) -> str:
+    """An audit timestamp for a time on this process' time.monotonic() scale."""
+    wall = monotonic + (time.time() - time.monotonic())
+    return datetime.fromtimestamp(wall, UTC).isoformat().replace("+00:00", "Z")
+
+
+def entry(
+    verb: str, resource: str, name: str, *, user: str = OPERATOR_USER, phase: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    resource, _, subresource = resource.partition("/")
+    ref = {
+        "resource": resource,
+        "namespace": "ns",
+        "name": name,
+        **({"subresource": subresource} if subresource else {}),
+    }
+    body: dict[str, Any] = {
+        "verb": verb,
+        "user": {"username": user},
+        "objectRef": ref,
+        "responseStatus": {"code": 201 if verb == "create" else 200},
+        "requestReceivedTimestamp": stamp(0.0),
+        "stageTimestamp": stamp(0.0),
+        **extra,
+    }
+    if phase is not None:
+        body["requestObject"] = {"status": {"phase": phase}}
+    return body
+
+
+def write_log(path: Path, entries: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    return path
+
+
+def test_writes_to_running_count_creates_and_status_patches_but_not_events(tmp_path: Path) -> None:
+    log = write_log(
+        tmp_path / "audit.log",
+        [
+            # In order of arrival (the count sorts by it).
+            entry("create", "jobsets", "r-0000", requestReceivedTimestamp=stamp(1.0)),
+            entry("create", "events", "r-0000.abc", requestReceivedTimestamp=stamp(2.0)),
+            entry(
+                "patch", "tpufinetunes/status", "r-0000", phase="Pending", requestReceivedTimestamp=stamp(3.0)
+            ),
+            entry(
+                "patch", "tpufinetunes/status", "r-0000", phase="Running", requestReceivedTimestamp=stamp(4.0)
+            ),
+            entry(
+                "patch",
+                "tpufinetunes/status",
+                "r-0000",
+                phase="Succeeded",
+                requestReceivedTimestamp=stamp(5.0),
+            ),
+            entry("create", "jobsets", "r-0001", user="admin"),  # another client: not the operator's
+            entry("list", "pods", ""),
+        ],
+    )
+    api = audit_requests(log, 0, 1)
+    assert api["writes_to_running_without_events_mean"] == 3
+    assert api["writes"] == 5 and api["reads"] == 1
+    assert api["events_per_run"] == 1 and api["status_patches_per_run"] == 3
+
+
+def test_the_latency_is_split_at_the_posts(tmp_path: Path) -> None:
+    base = time.monotonic()
+    log = write_log(
+        tmp_path / "audit.log",
+        [
+            entry(
+                "create", "tpufinetunes", "r-0000", user="admin",
+                requestReceivedTimestamp=stamp(base + 0.1), stageTimestamp=stamp(base + 0.3),
+            ),
+            entry(
+                "create", "jobsets", "r-0000",
+                requestReceivedTimestamp=stamp(base + 2.3), stageTimestamp=stamp(base + 2.8),
+            ),
+        ],
+    )  # fmt: skip
+    split = latency_breakdown(log, 0, "ns", {"r-0000": base}, {"r-0000": base + 3.0})
+    assert split["runs"] == 1
+
+    def p50(key: str) -> float:
+        return split[key]["p50"]
+
+    assert p50("send_to_jobset_post") == pytest.approx(2.3, abs=0.01)
+    assert p50("jobset_post_in_apiserver") == pytest.approx(0.5, abs=0.01)
+    assert p50("jobset_post_done_to_seen") == pytest.approx(0.2, abs=0.01)
+    assert p50("send_to_finetune_post") == pytest.approx(0.1, abs=0.01)
+    assert p50("finetune_post_in_apiserver") == pytest.approx(0.2, abs=0.01)
+    assert p50("finetune_done_to_jobset_post") == pytest.approx(2.0, abs=0.01)
+
+
+def test_the_bound_is_what_direct_creation_leaves_after_the_client_has_sent_everything() -> None:
+    operator_phase = {"client_seconds_to_send_all": 1.0}
+    assert creation_bound(operator_phase, {"seconds_to_all_jobsets": 5.0}) == pytest.approx(3.96)
+    # A client slower than direct creation leaves no bound to report.
+    assert creation_bound(operator_phase, {"seconds_to_all_jobsets": 0.5}) is None
+
+
+def test_percentiles() -> None:
+    values = [float(v) for v in range(1, 101)]
+    p = percentiles(values)
+    assert (p["p50"], p["p95"], p["p99"], p["max"], p["count"]) == (50.5, 96.0, 100.0, 100.0, 100)
+    assert percentiles([])["p99"] is None
