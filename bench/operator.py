@@ -533,6 +533,10 @@ class Bench:
         wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 600)
         all_jobsets = max(obs.jobset_seen.values()) - started
         at_jobsets = proc_usage(pid)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # the burst of creates only; py-spy writes its output on SIGINT
+            spy.wait(60)
+            spy = None
         wait_until(f"{n} runs Succeeded", lambda: len(obs.succeeded) >= n, 1500)
         all_succeeded = max(obs.succeeded.values(), default=started) - started
         time.sleep(3)  # late writes (events) land in the audit log
@@ -670,7 +674,8 @@ def cli(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="py-spy the operator at the largest N (speedscope JSON in bench/results/; the numbers of a "
+        help="py-spy the operator at the largest N, from the first create to the last JobSet (speedscope "
+        "JSON in bench/results/; the numbers of a "
         "profiled run go to operator-profiled.json, not operator.json)",
     )
     args = parser.parse_args(argv)
