@@ -4,8 +4,8 @@ kwok schedules and starts pods on fake TPU nodes but runs nothing. For `make dem
 of progress), pods annotated ``tpuft.dev/run-on-host: "true"`` are executed for real: the executor
 waits until kwok reports the pod Running, then runs the container's exact command on this machine
 with the pod's environment (values, downward-API fields, Secret keys), its downward-API and
-ConfigMap volumes materialised in a temporary directory, and credentials of the pod's ServiceAccount (a bound token,
-so RBAC applies exactly as in the pod). When the process exits it reports the exit code in the pod
+ConfigMap volumes materialised in a temporary directory, and credentials of the pod's ServiceAccount
+(a bound token, so RBAC applies exactly as in the pod). When the process exits it reports the exit code in the pod
 status, as a kubelet does. `google.com/tpu: N` becomes N PJRT CPU devices.
 
 Limits, by design: hostPath volumes must be mounted at their own path (no chroot here); images are
@@ -168,32 +168,13 @@ class LocalExecutor:
         mounts: dict[str, str] = {}
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"], {})
-            if "downwardAPI" in volume:  # the trainer config (render/jobset.py)
+            if "downwardAPI" in volume or "configMap" in volume:
                 target = workdir / "volumes" / mount["name"]
                 target.mkdir(parents=True, exist_ok=True)
-                for item in volume["downwardAPI"].get("items") or []:
-                    if "fieldRef" not in item:
-                        raise PodSpecError(f"volume {mount['name']}: only fieldRef items are supported")
-                    path = target / item["path"]
+                for relative, text in self._volume_files(pod, mount["name"], volume).items():
+                    path = target / relative
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(_field_value(pod, item["fieldRef"]["fieldPath"]))
-                mounts[mount["mountPath"]] = str(target)
-            elif "configMap" in volume:
-                target = workdir / "volumes" / mount["name"]
-                target.mkdir(parents=True, exist_ok=True)
-                cm = json.loads(
-                    self.cluster.kubectl(
-                        "get",
-                        "configmap",
-                        volume["configMap"]["name"],
-                        "-n",
-                        pod["metadata"]["namespace"],
-                        "-o",
-                        "json",
-                    ).stdout
-                )
-                for key, text in (cm.get("data") or {}).items():
-                    (target / key).write_text(text)
+                    path.write_text(text)
                 mounts[mount["mountPath"]] = str(target)
             elif "hostPath" in volume:
                 if volume["hostPath"]["path"] != mount["mountPath"]:
@@ -206,6 +187,23 @@ class LocalExecutor:
             else:
                 raise PodSpecError(f"volume {mount['name']} has a kind the executor does not support")
         return mounts
+
+    def _volume_files(self, pod: dict[str, Any], name: str, volume: dict[str, Any]) -> dict[str, str]:
+        """Relative path -> content of a downward-API or ConfigMap volume, as a kubelet would write it."""
+        if "downwardAPI" in volume:  # the trainer config (render/jobset.py)
+            files = {}
+            for item in volume["downwardAPI"].get("items") or []:
+                if "fieldRef" not in item:
+                    raise PodSpecError(f"volume {name}: only fieldRef items are supported")
+                files[item["path"]] = _field_value(pod, item["fieldRef"]["fieldPath"])
+            return files
+        namespace = pod["metadata"]["namespace"]
+        config_map = json.loads(
+            self.cluster.kubectl(
+                "get", "configmap", volume["configMap"]["name"], "-n", namespace, "-o", "json"
+            ).stdout
+        )
+        return dict(config_map.get("data") or {})
 
     @staticmethod
     def _rewrite(arg: str, mounts: dict[str, str]) -> str:
