@@ -23,6 +23,10 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _p50_p99(percentiles: dict[str, Any]) -> str:
+    return f"{_s(percentiles['p50'])}/{_s(percentiles['p99'])}"
+
+
 def creation_bound(operator_phase: dict[str, Any], direct_phase: dict[str, Any]) -> float | None:
     """A lower bound on any controller's p99 create -> JobSet, from the same run.
 
@@ -82,7 +86,7 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                 continue
             parts.append(
                 "; ".join(
-                    f"{_s(split[k]['p50'])}/{_s(split[k]['p99'])}"
+                    _p50_p99(split[k])
                     for k in ("send_to_jobset_post", "jobset_post_in_apiserver", "jobset_post_done_to_seen")
                 )
             )
@@ -91,12 +95,9 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         if "finetune_done_to_jobset_post" in split:
             lines.append(
                 "       operator's first part: send -> TPUFineTune POST at the apiserver "
-                + "; in the apiserver ".join(
-                    f"{_s(split[k]['p50'])}/{_s(split[k]['p99'])}"
-                    for k in ("send_to_finetune_post", "finetune_post_in_apiserver")
-                )
-                + f"; done -> the operator's JobSet POST (its reaction) "
-                f"{_s(split['finetune_done_to_jobset_post']['p50'])}/{_s(split['finetune_done_to_jobset_post']['p99'])}"
+                f"{_p50_p99(split['send_to_finetune_post'])}; in the apiserver "
+                f"{_p50_p99(split['finetune_post_in_apiserver'])}; done -> the operator's JobSet POST "
+                f"(its reaction) {_p50_p99(split['finetune_done_to_jobset_post'])}"
             )
     lines.append(
         "  bound: at the creation rate of the direct phase, no controller gets p99 below ~0.99 x (direct all"

@@ -355,9 +355,9 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
     }
 
 
-def _audit_time(stamp: str) -> float:
+def _audit_time(stamp: str, wall_minus_monotonic: float) -> float:
     """An audit timestamp (RFC 3339, UTC) on the time.monotonic() scale of this process."""
-    return datetime.fromisoformat(stamp).timestamp() - (time.time() - time.monotonic())
+    return datetime.fromisoformat(stamp).timestamp() - wall_minus_monotonic
 
 
 def latency_breakdown(
@@ -367,6 +367,7 @@ def latency_breakdown(
     in the operator phase the first part is split at the TPUFineTune's POST (send -> received, in the
     apiserver, done -> the operator's JobSet POST received: the operator's reaction)."""
     posts: dict[str, dict[str, tuple[float, float]]] = {"jobsets": {}, "tpufinetunes": {}}
+    offset_of_clocks = time.time() - time.monotonic()  # once: every stamp is converted alike
     with path.open() as log:
         log.seek(offset)
         for line in log:
@@ -380,8 +381,10 @@ def latency_breakdown(
             ):
                 match = RUN_NAME.match(ref.get("name") or "")
                 if match:
-                    received = _audit_time(entry["requestReceivedTimestamp"])
-                    posts[ref["resource"]][match.group(1)] = (received, _audit_time(entry["stageTimestamp"]))
+                    posts[ref["resource"]][match.group(1)] = (
+                        _audit_time(entry["requestReceivedTimestamp"], offset_of_clocks),
+                        _audit_time(entry["stageTimestamp"], offset_of_clocks),
+                    )
     jobsets, finetunes = posts["jobsets"], posts["tpufinetunes"]
     runs = [r for r in jobsets if r in sent and r in seen]
     split: dict[str, Any] = {
@@ -536,15 +539,11 @@ class Bench:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # the burst of creates only; py-spy writes its output on SIGINT
             spy.wait(60)
-            spy = None
         wait_until(f"{n} runs Succeeded", lambda: len(obs.succeeded) >= n, 1500)
         all_succeeded = max(obs.succeeded.values(), default=started) - started
         time.sleep(3)  # late writes (events) land in the audit log
         usage = proc_usage(pid)
         codes_after = apiserver_codes(self.cluster)
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT only
-            spy.wait(60)
         process.stop()
         for watcher in watchers:
             watcher.stopped.set()
