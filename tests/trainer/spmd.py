@@ -79,6 +79,33 @@ def run_train(config: Path, devices: int = 4, **env: str) -> Proc:
     return Proc(done.returncode, done.stdout, done.stderr)
 
 
+def run_together(runs: list[tuple[Path, int, dict[str, str]]]) -> list[Proc]:
+    """Several `tpuft train` processes at once, as the hosts of one job: (config, devices, env) each.
+    Their output goes to files, not pipes: a host blocked on a full pipe would stall its peers."""
+    procs = []
+    logs = Path(tempfile.mkdtemp(prefix="tpuft-hosts-"))
+    for index, (config, devices, env) in enumerate(runs):
+        log_path = logs / f"host-{index}.log"
+        with log_path.open("wb") as log:  # the child keeps its own descriptor
+            process = subprocess.Popen(
+                [TPUFT, "train", "--config", str(config)],
+                env=spmd_env(devices, **env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        procs.append((process, log_path))
+    done = []
+    for process, log_path in procs:
+        try:
+            code = process.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for other, _ in procs:
+                other.kill()
+            raise
+        done.append(Proc(code, "", log_path.read_text(errors="replace")))
+    return done
+
+
 class Pool:
     def __init__(self, workers: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=workers)

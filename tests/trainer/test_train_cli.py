@@ -4,69 +4,19 @@ and bad configurations failing fast with the documented exit codes."""
 from __future__ import annotations
 
 import json
-import re
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tiny
-import yaml
+from runs import full, logged_losses, losses, materials, metrics, write_config
 from spmd import Pool, Proc, run_train
 
-from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.exit_codes import ExitCode
 
 pytestmark = pytest.mark.trainer
-
-_lock = threading.Lock()
-_materials: dict[str, Path] = {}
-
-
-def materials() -> dict[str, Path]:
-    """A tiny Llama directory and datasets, built once per session (nothing downloaded)."""
-    with _lock:
-        if not _materials:
-            root = Path(tempfile.mkdtemp(prefix="tpuft-materials-"))
-            _materials["model"] = tiny.save_model_dir(root / "llama")
-            _materials["text"] = tiny.write_jsonl(root / "text.jsonl")
-            _materials["chat"] = tiny.write_jsonl(root / "chat.jsonl", chat=True)
-        return _materials
-
-
-def write_config(overrides: dict[str, Any]) -> tuple[Path, Path]:
-    m = materials()
-    out = Path(tempfile.mkdtemp(prefix="tpuft-out-"))
-    config: dict[str, Any] = {
-        "model": {"name": str(m["model"]), "dtype": "float32"},
-        "dataset": {"name": str(m["text"])},
-        "training": {
-            "max_steps": 8,
-            "learning_rate": 0.01,
-            "per_device_batch_size": 2,
-            "max_seq_length": 32,
-            "save_steps": 4,
-        },
-        "output": {"uri": str(out / "model")},
-        "world": {"chips_per_host": 4},
-        "progress": {"namespace": "default", "name": "demo", "min_interval_seconds": 0},
-    }
-    for section, values in overrides.items():
-        if isinstance(values, dict):
-            config.setdefault(section, {}).update(values)
-        else:
-            config[section] = values
-    TrainerConfig.model_validate(config)  # the same contract the operator renders
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, out / "model"
-
-
-def full() -> tuple[Proc, Path]:
-    config, output = write_config({})
-    return run_train(config), output
 
 
 def kill_and_resume() -> tuple[Proc, Proc, Path]:
@@ -140,14 +90,6 @@ SPMD_JOBS = {
 }
 
 
-def metrics(output: Path) -> dict[str, Any]:
-    return json.loads((output / "tpuft-metrics.json").read_text())  # type: ignore[no-any-return]
-
-
-def losses(record: dict[str, Any]) -> dict[int, float]:
-    return {int(step): loss for step, loss in record["losses"].items()}
-
-
 def test_full_fine_tune(pool: Pool) -> None:
     proc, output = pool.get("train:full")
     assert proc.returncode == 0, proc.tail()
@@ -210,12 +152,6 @@ def test_kill_and_resume_reproduces_losses(pool: Pool) -> None:
     assert got == {step: reference[step] for step in (5, 6, 7, 8)}
 
 
-def logged_losses(proc: Proc) -> dict[int, float]:
-    """Rank 0's `progress: step S/T | loss L` lines (a killed run writes no metrics file)."""
-    found = re.findall(r"progress: step (\d+)/\d+ \| loss ([\d.]+)", proc.stderr)
-    return {int(step): float(loss) for step, loss in found}
-
-
 def test_lora_kill_and_resume_continues_from_the_trained_adapter(pool: Pool) -> None:
     killed, resumed, remote = pool.get("train:lora-resume")
     assert killed.returncode == -9, killed.tail()
@@ -256,7 +192,7 @@ def test_lora_chat_on_a_two_by_two_mesh(pool: Pool) -> None:
         "checkpoint-6",
         "merged",
     } <= names
-    assert (remote / "checkpoint-3" / ".tpuft-uploaded").exists()
+    assert (remote / "checkpoint-3" / ".tpuft-complete").exists()
     record = metrics(remote)
     assert record["mesh_during_training"] == {"dcn": 1, "data": 1, "fsdp": 2, "tensor": 2}
     # projections split 2 x 2 (tensor x fsdp); everything else in two along fsdp, replicated over tensor

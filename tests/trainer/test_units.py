@@ -293,6 +293,9 @@ def test_uri_output_round_trip_resumes_only_complete_checkpoints(tmp_path: Path)
     for step in (2, 4):
         (local / f"checkpoint-{step}").mkdir(parents=True)
         (local / f"checkpoint-{step}" / "trainer_state.json").write_text(str(step))
+        storage.mark_complete(local / f"checkpoint-{step}")  # what rank 0 does after the Trainer's save
+    (local / "checkpoint-6").mkdir()  # a save cut off by SIGKILL: every file may be there, no marker
+    (local / "checkpoint-6" / "trainer_state.json").write_text("6")
     (local / "model.safetensors").write_text("final")
     uri = f"file://{tmp_path / 'remote'}"
     storage.upload(local / "checkpoint-2", uri, "checkpoint-2")
@@ -301,6 +304,8 @@ def test_uri_output_round_trip_resumes_only_complete_checkpoints(tmp_path: Path)
     remote = tmp_path / "remote"
     assert (remote / "model.safetensors").read_text() == "final"
     assert (remote / "checkpoint-4" / "trainer_state.json").read_text() == "4"
+    assert (remote / "checkpoint-4" / storage.COMPLETE).exists()
+    assert not (remote / "checkpoint-6").exists()  # checkpoints inside a directory are not uploaded
     (remote / "checkpoint-6").mkdir()  # an interrupted upload: no marker
     (remote / "checkpoint-6" / "trainer_state.json").write_text("6")
     fresh = tmp_path / "fresh"
@@ -308,3 +313,11 @@ def test_uri_output_round_trip_resumes_only_complete_checkpoints(tmp_path: Path)
     got = storage.fetch_latest_checkpoint(uri, fresh)
     assert got == fresh / "checkpoint-4" and (got / "trainer_state.json").read_text() == "4"
     assert storage.latest_local_checkpoint(local) == local / "checkpoint-4"
+    # Buckets written by earlier versions carry the old marker, still honoured.
+    (remote / "checkpoint-3").mkdir()
+    (remote / "checkpoint-3" / ".tpuft-uploaded").write_text("ok")
+    (remote / "checkpoint-4" / storage.COMPLETE).unlink()
+    assert storage.fetch_latest_checkpoint(uri, fresh) == fresh / "checkpoint-3"
+    # Before resuming from 4, the cut-off save is removed (the Trainer would save into it again).
+    assert storage.remove_incomplete_checkpoints(local, after_step=4) == ["checkpoint-6"]
+    assert sorted(p.name for p in local.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]

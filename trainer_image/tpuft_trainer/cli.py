@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from tpuft_trainer.errors import TrainerError
+from tpuft_trainer.errors import StoppedAfterCheckpoint, TrainerError
 from tpuft_trainer.exit_codes import ExitCode
 
 log = logging.getLogger("tpuft_trainer")
@@ -54,8 +54,13 @@ def train(config_path: Path) -> None:
 
     \b
     Exit codes: 0 success; 64 bad configuration; 65 bad dataset; 66 model, dataset or output not
-    found; 77 permission denied; 78 out of memory; anything else is an infrastructure failure that
-    the JobSet restarts (resuming from the latest checkpoint).
+    found; 77 permission denied; 78 out of memory; 75 stopped by SIGTERM after every host saved the
+    same step (restarted, not counted against maxRestarts); anything else is an infrastructure
+    failure that the JobSet restarts (resuming from the latest checkpoint).
+
+    \b
+    SIGTERM (suspend, preemption, a node drain) makes every host save the step it reaches and exit
+    within the grace period; a save cut off by SIGKILL is never resumed from.
     """
     _setup_logging()
     from pydantic import ValidationError
@@ -75,6 +80,9 @@ def train(config_path: Path) -> None:
 
     try:
         record = run(config)
+    except StoppedAfterCheckpoint as stopped:
+        log.warning("%s (exit %d)", stopped, stopped.exit_code)
+        sys.exit(stopped.exit_code)
     except Exception as error:
         code = exit_code_for(error)
         if code == 1:

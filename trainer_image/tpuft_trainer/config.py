@@ -63,6 +63,8 @@ class FsdpConfig(_Strict):
     layer_cls_to_wrap: list[str] | None = None
     gradient_checkpointing: bool = True
     mesh: MeshConfig = MeshConfig()
+    # XLA's persistent compilation cache: a directory every host sees (rank 0 writes, the others read).
+    compilation_cache_path: str | None = None
 
 
 class LoraConfig(_Strict):
@@ -108,6 +110,16 @@ class WorldConfig(_Strict):
     chips_per_host: int = Field(default=1, ge=1)
 
 
+class StopConfig(_Strict):
+    """How a run stops without losing work (stop.py): the grace period the pods get after SIGTERM, the
+    file in which the operator asks for a checkpoint now, and the port the hosts agree over."""
+
+    grace_seconds: float = Field(default=60.0, gt=0)
+    request_file: str | None = None
+    # The first host listens here (TPUFT_COORDINATOR_ADDRESS) for the other hosts' stop channel.
+    coordination_port: int = Field(default=29500, ge=1, le=65535)
+
+
 class ProgressConfig(_Strict):
     """Where rank 0 reports progress. ``None`` fields mean: do not report (never an error)."""
 
@@ -129,6 +141,7 @@ class TrainerConfig(_Strict):
     output: OutputConfig
     world: WorldConfig = WorldConfig()
     progress: ProgressConfig = ProgressConfig()
+    stop: StopConfig = StopConfig()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)

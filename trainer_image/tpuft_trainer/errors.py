@@ -46,3 +46,10 @@ class WorldError(TrainerError, RuntimeError):
     failure (a host missing, wrong environment), so the generic non-zero code lets the JobSet restart."""
 
     exit_code = 1
+
+
+class StoppedAfterCheckpoint(TrainerError):
+    """SIGTERM stopped the run after every host saved the same step (stop.py): not a failure, the
+    next start resumes from that checkpoint and the restart does not count against maxRestarts."""
+
+    exit_code = ExitCode.STOPPED_AFTER_CHECKPOINT

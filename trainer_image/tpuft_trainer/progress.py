@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -31,6 +31,8 @@ class Snapshot:
     loss: float | None
     tokens_per_second: float | None
     eta_seconds: float | None
+    # More status.progress fields, already in the API's camelCase (the attempt and its last save).
+    details: Mapping[str, Any] = field(default_factory=dict)
 
     def to_status(self) -> dict[str, Any]:
         """The ``status.progress`` object (camelCase, as in the API)."""
@@ -44,6 +46,7 @@ class Snapshot:
         percent = 100 * self.step // self.total_steps if self.total_steps else 0
         body["summary"] = f"{self.step}/{self.total_steps} ({percent}%)"
         body["updateTime"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body.update(self.details)
         return body
 
     def to_line(self) -> str:
@@ -186,10 +189,15 @@ class LogBar:
 
 
 def make_callback(
-    sinks: list[Sink], meter: Meter, *, is_rank_zero: bool, logger: logging.Logger = log
+    sinks: list[Sink],
+    meter: Meter,
+    *,
+    is_rank_zero: bool,
+    details: Callable[[], Mapping[str, Any]] = dict,
+    logger: logging.Logger = log,
 ) -> Any:
     """A transformers TrainerCallback feeding ``sinks`` from rank 0 only (one report per run, not
-    one per host)."""
+    one per host). ``details`` gives the extra status fields of each report (attempt.py)."""
     from transformers import TrainerCallback
 
     class ProgressCallback(TrainerCallback):
@@ -212,6 +220,7 @@ def make_callback(
             if not is_rank_zero:
                 return
             snapshot = meter.update(int(state.global_step), self.last_loss)
+            snapshot = replace(snapshot, details=details())
             logger.info("progress: %s", snapshot.to_line())
             for sink in sinks:
                 try:

@@ -1,13 +1,20 @@
 """The output location: a local path (a mounted volume) or any fsspec URI (``gs://``).
 
 The Trainer writes to a local directory; for a URI that is a staging directory, and rank 0 copies each
-checkpoint (and the final model) up after it is complete, then writes a marker so a half-uploaded
-checkpoint is never resumed from.
+checkpoint (and the final model) up after it is complete.
+
+A checkpoint is complete or absent: rank 0 writes the marker ``.tpuft-complete`` into it after every
+other file of it exists (locally after the Trainer's save, remotely after the upload), and resume
+considers marked checkpoints only. A save cut off by SIGKILL (the grace period ran out, the VM went
+away) leaves a directory without the marker, which is never resumed from and is removed when the next
+start resumes from an older one. ``.tpuft-uploaded`` is the remote marker of earlier versions, still
+read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -15,8 +22,11 @@ from pathlib import Path
 from tpuft_trainer.data import cache_dir, is_uri
 from tpuft_trainer.errors import PermissionDeniedError
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-UPLOADED = ".tpuft-uploaded"
+COMPLETE = ".tpuft-complete"
+_LEGACY_UPLOADED = ".tpuft-uploaded"
 
 
 def local_dir(uri: str) -> Path:
@@ -25,17 +35,40 @@ def local_dir(uri: str) -> Path:
     return Path(uri).expanduser()
 
 
+def checkpoint_step(name: str) -> int | None:
+    match = CHECKPOINT.match(name)
+    return int(match.group(1)) if match else None
+
+
+def mark_complete(checkpoint: Path) -> None:
+    """Rank 0, after the Trainer saved ``checkpoint`` (every file of it is written)."""
+    (checkpoint / COMPLETE).write_text("ok\n")
+
+
 def latest_local_checkpoint(directory: Path) -> Path | None:
     found = [
-        (int(m.group(1)), path)
+        (step, path)
         for path in directory.glob("checkpoint-*")
-        if (m := CHECKPOINT.match(path.name)) and (path / "trainer_state.json").is_file()
+        if (step := checkpoint_step(path.name)) is not None and (path / COMPLETE).is_file()
     ]
     return max(found)[1] if found else None
 
 
+def remove_incomplete_checkpoints(directory: Path, after_step: int) -> list[str]:
+    """Rank 0, before training resumes from ``after_step``: deletes the unmarked checkpoint
+    directories a cut-off save left behind (newer than the one resumed from), so the Trainer never
+    saves into a directory holding stale files of another attempt. Returns their names."""
+    removed = []
+    for path in sorted(directory.glob("checkpoint-*")):
+        step = checkpoint_step(path.name)
+        if step is not None and step > after_step and not (path / COMPLETE).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
 def fetch_latest_checkpoint(uri: str, local: Path) -> Path | None:
-    """For a URI output: download its newest fully uploaded checkpoint into ``local``."""
+    """The newest complete checkpoint at the output; for a URI, downloaded into ``local``."""
     if not is_uri(uri):
         return latest_local_checkpoint(local)
     import fsspec
@@ -48,8 +81,12 @@ def fetch_latest_checkpoint(uri: str, local: Path) -> Path | None:
     steps = []
     for entry in entries:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if (m := CHECKPOINT.match(name)) and fs.exists(f"{entry.rstrip('/')}/{UPLOADED}"):
-            steps.append((int(m.group(1)), entry.rstrip("/"), name))
+        step = checkpoint_step(name)
+        if step is None:
+            continue
+        remote = entry.rstrip("/")
+        if fs.exists(f"{remote}/{COMPLETE}") or fs.exists(f"{remote}/{_LEGACY_UPLOADED}"):
+            steps.append((step, remote, name))
     if not steps:
         return None
     _, remote, name = max(steps)
@@ -57,12 +94,13 @@ def fetch_latest_checkpoint(uri: str, local: Path) -> Path | None:
     if target.exists():
         shutil.rmtree(target)
     fs.get(remote + "/", str(target) + "/", recursive=True)
+    (target / COMPLETE).write_text("ok\n")  # complete remotely, so complete here
     return target
 
 
 def upload(local: Path, uri: str, name: str = "") -> None:
-    """Copy ``local`` to ``uri/name`` and mark it complete (no-op for a local output). Checkpoint
-    directories inside ``local`` are skipped: each was uploaded when it was saved."""
+    """Copy ``local`` to ``uri/name`` and mark it complete last (no-op for a local output).
+    Checkpoint directories inside ``local`` are skipped: each was uploaded when it was saved."""
     if not is_uri(uri):
         return
     import fsspec
@@ -71,12 +109,12 @@ def upload(local: Path, uri: str, name: str = "") -> None:
     remote = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
     fs.makedirs(remote, exist_ok=True)
     for entry in sorted(local.iterdir()):
-        if entry.is_dir() and CHECKPOINT.match(entry.name):
+        if (entry.is_dir() and CHECKPOINT.match(entry.name)) or entry.name == COMPLETE:
             continue
         target = f"{remote}/{entry.name}"
         if entry.is_dir():
             fs.put(str(entry) + "/", target + "/", recursive=True)
         else:
             fs.put_file(str(entry), target)
-    with fs.open(f"{remote}/{UPLOADED}", "w") as marker:
+    with fs.open(f"{remote}/{COMPLETE}", "w") as marker:
         marker.write("ok\n")

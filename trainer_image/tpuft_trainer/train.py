@@ -18,16 +18,21 @@ from typing import Any
 
 from tpuft_trainer import data, fsdp_v2, storage
 from tpuft_trainer import mesh as mesh_module
+from tpuft_trainer import stop as stop_module
+from tpuft_trainer.attempt import Attempt, process_start_time
 from tpuft_trainer.config import TrainerConfig
+from tpuft_trainer.errors import StoppedAfterCheckpoint
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
-from tpuft_trainer.world import check_runtime, detect_world
+from tpuft_trainer.world import World, check_runtime, detect_world
 
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = {"adafactor": "adafactor", "adamw": "adamw_torch"}
 METRICS_FILE = "tpuft-metrics.json"
-# Fault injection for tests (and chaos drills): SIGKILL this process at the end of that step.
+# Fault injection for tests (and chaos drills): SIGKILL this process at the end of that step, or in
+# the middle of that step's save (its files written, the completion marker not yet).
 KILL_AT_STEP_ENV = "TPUFT_FAULT_KILL_AT_STEP"
+KILL_IN_SAVE_AT_STEP_ENV = "TPUFT_FAULT_KILL_IN_SAVE_AT_STEP"
 
 
 @dataclass
@@ -47,6 +52,12 @@ class RunRecord:
     tensor_parallel_weights: int = 0
     final_step: int = 0
     seconds: float = 0.0
+    # This attempt in time (attempt.py): start-up, saves; the run's totals are in status.goodput.
+    attempt: dict[str, Any] = field(default_factory=dict)
+    # Set when SIGTERM stopped the run after a checkpoint: {step, reason, save_seconds, grace_seconds}.
+    stopped: dict[str, Any] | None = None
+    # Seconds the stop channel made the steps wait, in all (0 with one process).
+    stop_channel_wait_seconds: float = 0.0
 
 
 def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecord:
@@ -56,8 +67,12 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
     # 1. Where this process stands; refuse multi-host shapes whose environment cannot join up.
     world = detect_world(config.world, env)
+    attempt = Attempt(process_start_time(), grace_seconds=config.stop.grace_seconds)
     fsdp_v2.use_fsdp_v2()
     import torch_xla.runtime as xr
+
+    if config.fsdp.compilation_cache_path:
+        _use_compilation_cache(config.fsdp.compilation_cache_path, world)
 
     devices = xr.global_runtime_device_count()
     for problem in check_runtime(
@@ -70,6 +85,17 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         xr.process_index(),
         xr.process_count(),
     )
+    # From here SIGTERM is a request to checkpoint and stop (stop.py), agreed on by every host.
+    stopper = stop_module.StopCoordinator(
+        stop_module.open_channel(
+            env.get("TPUFT_COORDINATOR_ADDRESS"),
+            config.stop.coordination_port,
+            world.process_index,
+            world.process_count,
+        ),
+        Path(config.stop.request_file) if config.stop.request_file else None,
+    )
+    stopper.install()
 
     # 2. The mesh, which must win over the Trainer's own (compat.mesh_wins re-installs it).
     shape = mesh_module.plan_mesh(config.fsdp.mesh, devices)
@@ -89,6 +115,10 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
             world.restart_attempt,
         )
     record.resumed_from = resume.name if resume else None
+    attempt.resumed_from_step = (storage.checkpoint_step(resume.name) or 0) if resume else 0
+    if is_rank_zero:
+        for name in storage.remove_incomplete_checkpoints(output, attempt.resumed_from_step):
+            log.warning("removed %s: its save was cut off (no completion marker)", name)
 
     # 4. Model (+ LoRA) and data.
     location = data.model_location(config.model)
@@ -117,11 +147,21 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     )
     meter = Meter(total_steps, tokens_per_step=global_batch * training.max_seq_length)
     sinks: list[Any] = [LogBar(total_steps), StatusReporter(config.progress)] if is_rank_zero else []
-    trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero))
-    trainer.add_callback(_observer(record, config, env, is_rank_zero))
+    # The stop callback first: at a boundary where the hosts agree to stop, the final progress
+    # report must already carry the save (on_save runs before on_train_end either way).
+    trainer.add_callback(_stop_callback(stopper, attempt, config, env, is_rank_zero))
+    trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero, details=attempt.to_status))
+    trainer.add_callback(_observer(record, env))
 
     # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position).
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        stopper.close()
+    record.attempt = attempt.to_record()
+    record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
+    if stopper.decided is not None:
+        _stopped(record, stopper, attempt, trainer, output, config, started, is_rank_zero)
 
     # 7. The final model in the standard format (compat.reloadable_checkpoint does the gathering).
     trainer.save_model(str(output))
@@ -130,9 +170,57 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     record.final_step = int(trainer.state.global_step)
     record.seconds = round(time.monotonic() - started, 2)
     if is_rank_zero:
-        (output / METRICS_FILE).write_text(json.dumps(asdict(record), indent=1, sort_keys=True))
+        _write_record(record, output)
         storage.upload(output, config.output.uri)
     return record
+
+
+def _write_record(record: RunRecord, output: Path) -> None:
+    (output / METRICS_FILE).write_text(json.dumps(asdict(record), indent=1, sort_keys=True))
+
+
+def _use_compilation_cache(path: str, world: World) -> None:
+    """XLA's persistent compilation cache, before anything is compiled. Every host runs the same
+    program, so one writer (rank 0) fills it and the others read; a restarted run then loads its
+    graphs instead of compiling them (on TPU: PJRT CPU in torch_xla 2.9 writes entries it cannot
+    read back, see docs/trainer.md)."""
+    import torch_xla.runtime as xr
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    xr.initialize_cache(path, readonly=not world.is_rank_zero)
+    log.info("XLA compilation cache at %s (%s)", path, "read-write" if world.is_rank_zero else "read-only")
+
+
+def _stopped(
+    record: RunRecord,
+    stopper: stop_module.StopCoordinator,
+    attempt: Attempt,
+    trainer: Any,
+    output: Path,
+    config: TrainerConfig,
+    started: float,
+    is_rank_zero: bool,
+) -> None:
+    """After a checkpointed stop: record what happened and end the run with its exit code."""
+    step = int(trainer.state.global_step)
+    save = attempt.saves[-1] if attempt.saves else None
+    since_signal = time.monotonic() - stopper.terminated_at if stopper.terminated_at is not None else None
+    record.final_step = step
+    record.seconds = round(time.monotonic() - started, 2)
+    record.stopped = {
+        "step": step,
+        "reason": stopper.decided.reason if stopper.decided else "",
+        "save_seconds": round(save.seconds, 2) if save else None,
+        "grace_seconds": config.stop.grace_seconds,
+        # From the signal this process received (None on a host that was not signalled itself).
+        "signal_to_exit_seconds": round(since_signal, 2) if since_signal is not None else None,
+    }
+    if is_rank_zero:
+        _write_record(record, output)
+    raise StoppedAfterCheckpoint(
+        f"stopped at step {step} after saving checkpoint-{step} "
+        f"({record.stopped['reason']}); the next start resumes from it"
+    )
 
 
 def _add_lora(model: Any, config: TrainerConfig) -> Any:
@@ -197,7 +285,7 @@ def _build_trainer(
     )
 
 
-def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], is_rank_zero: bool) -> Any:
+def _observer(record: RunRecord, env: Mapping[str, str]) -> Any:
     """Records what tests and users want to know about the run: mesh in force, sharding, losses,
     compilation counts; and the fault-injection hook."""
     import torch_xla
@@ -236,12 +324,71 @@ def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], 
                 log.warning("%s=%d: killing this process now", KILL_AT_STEP_ENV, kill_at)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if is_rank_zero:
-                name = f"checkpoint-{state.global_step}"
-                storage.upload(Path(args.output_dir) / name, config.output.uri, name)
-
     return Observer()
+
+
+def _stop_callback(
+    stopper: stop_module.StopCoordinator,
+    attempt: Attempt,
+    config: TrainerConfig,
+    env: Mapping[str, str],
+    is_rank_zero: bool,
+) -> Any:
+    """At every step boundary: the stop agreement (stop.py) may ask for a save, and a stop; each
+    save is timed, marked complete and (for a URI output) uploaded before training goes on."""
+    from transformers import TrainerCallback
+
+    sigterm_at = int(env.get(stop_module.SIGTERM_AT_STEP_ENV, "0") or 0)
+    kill_in_save_at = int(env.get(KILL_IN_SAVE_AT_STEP_ENV, "0") or 0)
+
+    class StopCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.reason = "periodic"
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            attempt.step_ended()
+            stopper.training_started()
+            if sigterm_at and state.global_step == sigterm_at:
+                log.warning(
+                    "%s=%d: sending this process SIGTERM", stop_module.SIGTERM_AT_STEP_ENV, sigterm_at
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+            decision = stopper.at_step_boundary()
+            self.reason = decision.reason if decision.save else "periodic"
+            if decision.save:
+                control.should_save = True
+                log.info("checkpointing at step %d: %s", state.global_step, decision.reason)
+            if decision.stop:
+                control.should_training_stop = True
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if not is_rank_zero:
+                return
+            name = f"checkpoint-{state.global_step}"
+            local = Path(args.output_dir) / name
+            if kill_in_save_at and state.global_step == kill_in_save_at:
+                log.warning("%s=%d: killing this process mid-save", KILL_IN_SAVE_AT_STEP_ENV, kill_in_save_at)
+                os.kill(os.getpid(), signal.SIGKILL)
+            storage.mark_complete(local)
+            try:
+                storage.upload(local, config.output.uri, name)
+            except Exception as error:  # the next start cannot see it: say which step is only here
+                log.error(
+                    "%s is only local (%s): upload to %s failed: %s", name, local, config.output.uri, error
+                )
+                raise
+            save = attempt.checkpoint_saved(int(state.global_step), self.reason)
+            grace = config.stop.grace_seconds
+            log.info("saved %s in %.1f s (%s)", name, save.seconds, save.reason)
+            if stopper.decided is not None and save.seconds > grace / 2:
+                log.warning(
+                    "the stop's save took %.1f s, more than half the %.0f s grace period: raise "
+                    "spec.terminationGracePeriodSeconds or the next stop may be cut off",
+                    save.seconds,
+                    grace,
+                )
+
+    return StopCallback()
 
 
 def _save_merged(config: TrainerConfig, location: str, output: Path) -> None:

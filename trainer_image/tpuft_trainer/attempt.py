@@ -1,0 +1,112 @@
+"""What this attempt of the run did, in time: when its process started, when its first step was done,
+which step it resumed from, and each checkpoint save (step, seconds, why).
+
+Rank 0 reports it in ``status.progress.attempt`` and ``status.progress.lastCheckpoint``; the operator
+folds the attempts of a run into ``status.goodput`` (productive time against what was lost to
+waiting, start-up, saves, redone steps and restart gaps), and ``tpuft-metrics.json`` carries this
+attempt's part. Wall-clock times (UTC) because they are compared with the operator's clock and the
+pods' start times; durations from the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+def process_start_time() -> datetime:
+    """When this process was started (Linux: /proc), else now: model loading and imports count as
+    start-up, so the clock starts before Python had imported anything."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22 (starttime) in clock ticks since boot; the command name (field 2) may hold
+            # spaces but ends at the last ')'.
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as boot:
+            btime = next(int(line.split()[1]) for line in boot if line.startswith("btime "))
+        return datetime.fromtimestamp(btime + ticks / os.sysconf("SC_CLK_TCK"), UTC)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return datetime.now(UTC)
+
+
+def _timestamp(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    step: int
+    seconds: float
+    reason: str  # "periodic", "SIGTERM", "checkpoint request <n>"
+    time: datetime
+
+    def to_status(self, grace_seconds: float) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "seconds": round(self.seconds, 2),
+            "reason": self.reason,
+            "graceSeconds": grace_seconds,
+            "time": _timestamp(self.time),
+        }
+
+
+@dataclass
+class Attempt:
+    started_at: datetime
+    resumed_from_step: int = 0
+    grace_seconds: float = 60.0
+    first_step_at: datetime | None = None
+    saves: list[CheckpointSave] = field(default_factory=list)
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC), repr=False)
+    _step_ended: float | None = field(default=None, repr=False)
+
+    def step_ended(self) -> None:
+        """Called at every step boundary; a save that follows is timed from here."""
+        self._step_ended = time.monotonic()
+        if self.first_step_at is None:
+            self.first_step_at = self.clock()
+
+    def checkpoint_saved(self, step: int, reason: str) -> CheckpointSave:
+        seconds = time.monotonic() - self._step_ended if self._step_ended is not None else 0.0
+        save = CheckpointSave(step, seconds, reason, self.clock())
+        self.saves.append(save)
+        return save
+
+    @property
+    def checkpoint_seconds(self) -> float:
+        return sum(save.seconds for save in self.saves)
+
+    def to_status(self) -> dict[str, Any]:
+        """``status.progress`` fields (camelCase, as in the API)."""
+        body: dict[str, Any] = {
+            "attempt": {
+                "startTime": _timestamp(self.started_at),
+                "resumedFromStep": self.resumed_from_step,
+                "checkpointSeconds": round(self.checkpoint_seconds, 2),
+            }
+        }
+        if self.first_step_at is not None:
+            body["attempt"]["firstStepTime"] = _timestamp(self.first_step_at)
+        if self.saves:
+            body["lastCheckpoint"] = self.saves[-1].to_status(self.grace_seconds)
+        return body
+
+    def to_record(self) -> dict[str, Any]:
+        """This attempt's part of ``tpuft-metrics.json``."""
+        startup = (
+            (self.first_step_at - self.started_at).total_seconds() if self.first_step_at is not None else None
+        )
+        return {
+            "started_at": _timestamp(self.started_at),
+            "first_step_at": _timestamp(self.first_step_at) if self.first_step_at else None,
+            "startup_seconds": round(startup, 2) if startup is not None else None,
+            "resumed_from_step": self.resumed_from_step,
+            "checkpoint_seconds": round(self.checkpoint_seconds, 2),
+            "checkpoints": [
+                {"step": s.step, "seconds": round(s.seconds, 2), "reason": s.reason} for s in self.saves
+            ],
+        }

@@ -1,0 +1,217 @@
+"""Stopping without losing work: SIGTERM, and the operator's checkpoint requests, become a checkpoint
+at a step boundary that every process of the run agrees on.
+
+Why agreement: saving under SPMD is a collective (every process gathers its shards), so all hosts
+must decide to save at the *same* step. Only one VM may be signalled (a Spot reclaim, one node
+drained), and the operator's request file (a downward-API view of a pod annotation) changes on each
+host whenever its kubelet refreshes it. So at every step boundary each process contributes
+``(terminated, newest checkpoint request seen)`` to an all-reduce with MAX, and all act on the
+result together.
+
+The all-reduce is lagged by one step: the values contributed at boundary k are read at boundary
+k+1, so the exchange runs in the background during a training step and never stalls one. Every
+process makes the same calls in the same order (they run the same steps), so every process reads
+the same agreed values at the same boundary: a host that was not signalled joins the save at that
+boundary, one step after the signal at most. One process alone (one host) needs no channel;
+several use a gloo process group of their own over TCP to the first host (`GlooChannel`), apart
+from XLA's collectives and from torch.distributed's default group (which the Trainer does not
+use under SPMD and must not see initialised).
+
+A SIGTERM before the first step of this process has nothing new to save: the process exits at
+once with 143 (the shell's code for SIGTERM), which the operator counts as an ordinary restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+# Fault injection for tests and chaos drills: this process sends itself SIGTERM at the end of that step.
+SIGTERM_AT_STEP_ENV = "TPUFT_FAULT_SIGTERM_AT_STEP"
+
+
+class Channel(Protocol):
+    """Element-wise MAX of small integer vectors over every process of the run."""
+
+    def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
+        """Contribute ``values``; return the agreed values of the *previous* call (a lagged
+        channel) or of this one (an immediate one)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalChannel:
+    """One process: its own values are the agreed ones, at once."""
+
+    def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
+        return values
+
+    def close(self) -> None:
+        pass
+
+
+class GlooChannel:
+    """A gloo process group of the run's processes, rendezvous at ``host:port`` (the first host).
+
+    ``exchange`` starts an asynchronous all-reduce of this boundary's values and returns the result
+    of the previous boundary's, waiting for it if needed (it had a whole step to finish).
+    """
+
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout_seconds: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        # A TCPStore hosted by rank 0 is the rendezvous; the group talks over its own connections.
+        self._store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        # Any: torch's stubs omit the collectives a backend object has at run time.
+        self._group: Any = dist.ProcessGroupGloo(self._store, rank, size, timeout)
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self._pending: tuple[Any, Any] | None = None  # (work, tensor) of the previous boundary
+        self.wait_seconds = 0.0  # time spent waiting for results (what the channel costs a step)
+
+    def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
+        import torch
+
+        agreed = (0, 0)
+        if self._pending is not None:
+            work, tensor = self._pending
+            started = time.perf_counter()
+            work.wait()
+            self.wait_seconds += time.perf_counter() - started
+            agreed = (int(tensor[0]), int(tensor[1]))
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._pending = (self._group.allreduce([tensor], self._options), tensor)
+        return agreed
+
+    def close(self) -> None:
+        if self._pending is not None:
+            try:  # every process makes the same number of calls: the last one completes too
+                self._pending[0].wait()
+            except Exception as error:  # a peer already gone: nothing to agree on any more
+                log.debug("stop channel: last exchange did not complete: %s", error)
+            self._pending = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the run does at a step boundary."""
+
+    save: bool = False
+    stop: bool = False
+    reason: str = ""  # "SIGTERM" or "checkpoint request <n>" (for logs and status)
+
+
+def read_request(path: Path | None) -> int:
+    """The checkpoint request in the operator's file: a positive integer (the request's number, e.g.
+    the maintenance time in Unix seconds), or 0 when there is none or the file is empty."""
+    if path is None:
+        return 0
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+class StopCoordinator:
+    """This process's view of stop signals and requests, and the agreement over all processes.
+
+    ``install`` takes SIGTERM; ``training_started`` marks the point after which a SIGTERM means
+    "checkpoint and stop" rather than "exit now"; ``at_step_boundary`` is called once per optimizer
+    step by every process and says whether to save and whether to stop.
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        request_file: Path | None = None,
+        *,
+        exit_now: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.channel = channel
+        self.request_file = request_file
+        self._exit_now = exit_now
+        self._terminated = threading.Event()
+        self._training = False
+        # Starts at 0 on every process and moves only with agreed values: a decision must be the same
+        # everywhere, and a host that read the file before the others must not skip a save they make.
+        self._handled_request = 0
+        self.terminated_at: float | None = None  # monotonic time of the SIGTERM, if any
+        self.decided: Decision | None = None  # the stop decision, once made
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._terminated.is_set():
+            return  # one stop is enough; the grace period keeps running
+        self.terminated_at = time.monotonic()
+        self._terminated.set()
+        if not self._training:
+            log.warning("SIGTERM before the first training step: nothing new to save, exiting now")
+            logging.shutdown()
+            self._exit_now(SIGTERM_EXIT_CODE)
+            return
+        log.warning("SIGTERM: checkpointing at the next step boundary every host agrees on, then stopping")
+
+    def training_started(self) -> None:
+        self._training = True
+
+    @property
+    def terminated(self) -> bool:
+        return self._terminated.is_set()
+
+    def at_step_boundary(self) -> Decision:
+        request = read_request(self.request_file)
+        local = (1 if self._terminated.is_set() else 0, request if request > self._handled_request else 0)
+        stop, newest_request = self.channel.exchange(local)
+        if stop:
+            self.decided = Decision(save=True, stop=True, reason="SIGTERM")
+            return self.decided
+        if newest_request > self._handled_request:
+            self._handled_request = newest_request
+            return Decision(save=True, reason=f"checkpoint request {newest_request}")
+        return Decision()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def open_channel(
+    coordinator: str | None, port: int, rank: int, size: int, timeout_seconds: float = 300.0
+) -> Channel:
+    """The channel for ``size`` processes: local for one, gloo over ``coordinator:port`` otherwise."""
+    if size <= 1:
+        return LocalChannel()
+    if not coordinator:
+        from tpuft_trainer.errors import WorldError
+
+        raise WorldError(
+            f"this job has {size} processes but TPUFT_COORDINATOR_ADDRESS is unset: the hosts could "
+            "not agree on a step to checkpoint at when one of them is stopped"
+        )
+    started = time.monotonic()
+    channel = GlooChannel(coordinator, port, rank, size, timeout_seconds)
+    log.info(
+        "stop channel: %d processes joined over %s:%d in %.1f s",
+        size,
+        coordinator,
+        port,
+        time.monotonic() - started,
+    )
+    return channel
