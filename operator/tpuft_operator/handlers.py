@@ -1,7 +1,8 @@
 """kopf registrations and the workers they feed: the handlers only mark runs, the workers reconcile.
 
 Three watches feed one level-triggered reconcile: the TPUFineTunes, the JobSets and the pods that
-carry the run's label. In-memory indexes (kopf.index) hold the latest JobSet and pods of each run,
+carry the run's label; a fourth, of the TPU nodes (read-only, `--watch-nodes`), marks the runs on a
+node whose maintenance signals change (maintenance.py). In-memory indexes (kopf.index) hold the latest JobSet and pods of each run,
 so a reconcile reads no lists from the API. Each watch event marks its run in a work queue
 (workqueue.py: each run once, JobSet creation first) and returns; `--workers` threads reconcile the
 marked runs from the indexes. No handler stores progress on the object and no finalizer is added:
@@ -17,11 +18,11 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import kopf
 
-from tpuft_operator import metrics
+from tpuft_operator import maintenance, metrics
 from tpuft_operator.k8s import ApiError
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
@@ -29,14 +30,18 @@ from tpuft_operator.render.naming import label_value
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.slim import slim_finetune, slim_jobset, slim_pod
 from tpuft_operator.status import is_final
+from tpuft_operator.topology import ACCELERATOR_LABEL
 from tpuft_operator.workqueue import WorkQueue
 
 FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
 JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 PODS = ("", "v1", "pods")
+NODES = ("", "v1", "nodes")
 OWNED = {FINETUNE_LABEL: kopf.PRESENT}
+TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
 
 Key = tuple[str, str]
+K = TypeVar("K")
 # An indexed object, reduced to what the reconcile reads (slim.py).
 Slim = dict[str, Any]
 
@@ -51,7 +56,7 @@ def _event_sink(body: Mapping[str, Any]) -> Any:
     return post
 
 
-def _latest(index: kopf.Index[Key, Slim], key: Key) -> Slim | None:
+def _latest(index: kopf.Index[K, Slim], key: K) -> Slim | None:
     store = index.get(key)
     return next(iter(store), None) if store else None
 
@@ -62,18 +67,37 @@ def _needs_jobset(jobset_index: kopf.Index[Key, Slim], index_key: Key) -> bool:
     return _latest(jobset_index, index_key) is None
 
 
+def _nodes_of(pods: list[Slim], node_index: kopf.Index[str, Slim] | None) -> dict[str, Slim]:
+    """The indexed nodes the pods run on, by name."""
+    if node_index is None:
+        return {}
+    nodes = {}
+    for pod in pods:
+        name = (pod.get("spec") or {}).get("nodeName")
+        if name and (node := _latest(node_index, name)) is not None:
+            nodes[name] = node
+    return nodes
+
+
 def _run(
     memo: kopf.Memo,
     finetune: Mapping[str, Any],
     jobset: Mapping[str, Any] | None,
     pod_index: kopf.Index[Key, Slim],
+    node_index: kopf.Index[str, Slim] | None,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
 ) -> None:
     key = (finetune["metadata"]["namespace"], label_value(finetune["metadata"]["name"]))
     reconciler: Reconciler = memo.reconciler
+    pods = list(pod_index.get(key, []))
     try:
         reconciler.reconcile(
-            finetune, jobset, list(pod_index.get(key, [])), event=_event_sink(finetune), logger=logger
+            finetune,
+            jobset,
+            pods,
+            event=_event_sink(finetune),
+            nodes=_nodes_of(pods, node_index),
+            logger=logger,
         )
     except ApiError as error:
         # Nothing re-queues a failed reconcile at once; the resync loop retries within resync_seconds.
@@ -95,6 +119,9 @@ class Dispatch:
 
     queue: WorkQueue = field(default_factory=WorkQueue)
     indexes: tuple[kopf.Index[Key, Slim], ...] | None = None
+    nodes: kopf.Index[str, Slim] | None = None  # with --watch-nodes
+    # The maintenance signals last seen per node: only a change marks the runs on it.
+    node_signals: dict[str, maintenance.NodeSignals] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
     kopf_settings: kopf.OperatorSettings | None = None
     # kopf.event() finds kopf's event queue in context variables that kopf sets in the tasks that
@@ -109,6 +136,8 @@ class Dispatch:
         so the first handler call hands them to the workers."""
         if self.indexes is None:
             self.indexes = (indexes["finetunes"], indexes["jobsets"], indexes["pods"])
+        if self.nodes is None and "nodes" in indexes:
+            self.nodes = indexes["nodes"]
         if self.context is None:
             self.context = contextvars.copy_context()
         self.queue.add(key, urgent=urgent)
@@ -152,7 +181,7 @@ def reconcile_from_indexes(memo: kopf.Memo, key: Key) -> None:
     if finetune is None:
         return  # deleted meanwhile
     logger = kopf.LocalObjectLogger(body=cast(kopf.Body, finetune), settings=state.kopf_settings)
-    _run(memo, finetune, _latest(jobset_index, index_key), pod_index, logger)
+    _run(memo, finetune, _latest(jobset_index, index_key), pod_index, state.nodes, logger)
 
 
 async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
@@ -230,6 +259,27 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
         owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
         if owner is not None:
             memo.dispatch.mark((str(namespace), str(owner["metadata"]["name"])), kw)
+
+    if operator_settings.watch_nodes:
+
+        @kopf.index(*NODES, labels=TPU_NODES, id="nodes", registry=registry)
+        async def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Slim]:
+            return {name: maintenance.slim_node(body)}
+
+        @kopf.on.event(*NODES, labels=TPU_NODES, registry=registry)
+        async def node_event(type: str, name: str, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+            state: Dispatch = memo.dispatch
+            signals = maintenance.node_signals(body) if type != "DELETED" else maintenance.NodeSignals(name)
+            if state.node_signals.get(name, maintenance.NodeSignals(name)) == signals:
+                return  # a heartbeat or another change that is not about maintenance
+            state.node_signals[name] = signals
+            if type == "DELETED":
+                state.node_signals.pop(name, None)
+            for (namespace, label), pods in kw["pods"].items():
+                if any((pod.get("spec") or {}).get("nodeName") == name for pod in pods):
+                    owner = _latest(kw["finetunes"], (namespace, label))
+                    if owner is not None:
+                        state.mark((namespace, str(owner["metadata"]["name"])), kw)
 
     @kopf.on.startup(registry=registry)
     async def start_workers(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:

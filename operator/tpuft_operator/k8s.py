@@ -58,6 +58,7 @@ class Resource:
 
 JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
 FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes")
+POD = Resource("", "v1", "pods")
 # Every kind the operator creates, and nothing else.
 KINDS = {
     "JobSet": JOBSET,
@@ -157,3 +158,18 @@ class Api:
             )
         except ApiException as error:
             raise _wrap(error, f"updating the status of TPUFineTune {namespace}/{name}") from error
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Merge-patches annotations of a pod (the operator's checkpoint requests, maintenance.py).
+        A pod deleted meanwhile (404) needs none."""
+        try:
+            self._call(
+                "PATCH",
+                POD.path(namespace, name),
+                {"metadata": {"annotations": dict(annotations)}},
+                MERGE_PATCH,
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return
+            raise _wrap(error, f"annotating pod {namespace}/{name}") from error

@@ -32,6 +32,8 @@ def _options(command: Any) -> Any:
             extra["type"] = int
         elif f.type in ("float", float):
             extra["type"] = float
+        elif f.type in ("bool", bool):
+            extra["type"] = bool
         option = click.option(
             "--" + f.name.replace("_", "-"),
             f.name,
@@ -104,6 +106,7 @@ def build_memo(settings: OperatorSettings) -> kopf.Memo:
     reconciler = Reconciler(
         api=api,
         status_settle_seconds=settings.status_settle_seconds,
+        goodput_interval_seconds=settings.goodput_interval_seconds,
         render_settings=settings.render_settings(),
     )
     return kopf.Memo(settings=settings, reconciler=reconciler, dispatch=Dispatch())
@@ -125,11 +128,12 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
         f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     )
     log.info(
-        "starting: watching %s; trainer image %s; metrics :%s; health :%s",
+        "starting: watching %s; trainer image %s; metrics :%s; health :%s; node maintenance signals %s",
         ", ".join(settings.namespaces) or "all namespaces",
         settings.trainer_image,
         settings.metrics_port,
         settings.health_port,
+        "watched" if settings.watch_nodes else "not watched (--watch-nodes=false)",
     )
     asyncio.run(
         kopf.operator(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -17,6 +18,11 @@ QUEUE_DEPTH = Gauge(
     "tpuft_workqueue_depth", "Runs marked for a reconcile and waiting for a worker (workqueue.py)."
 )
 RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
+GOODPUT = Gauge(
+    "tpuft_run_goodput_ratio",
+    "Productive training time / wall time since creation, per run (status.goodput.ratio).",
+    ["namespace", "name"],
+)
 
 _PHASES = ("Pending", "Queued", "Suspended", "Running", "Succeeded", "Failed")
 _phase_of: dict[tuple[str, str], str] = {}
@@ -39,7 +45,14 @@ def observe_phase(key: tuple[str, str], phase: str) -> None:
         _publish()
 
 
+def observe_goodput(key: tuple[str, str], ratio: float | None) -> None:
+    if ratio is not None:
+        GOODPUT.labels(namespace=key[0], name=key[1]).set(ratio)
+
+
 def forget_run(key: tuple[str, str]) -> None:
     with _guard:
         _phase_of.pop(key, None)
         _publish()
+    with contextlib.suppress(KeyError):  # a run that never reported goodput
+        GOODPUT.remove(key[0], key[1])

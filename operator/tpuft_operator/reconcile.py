@@ -16,12 +16,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuft_operator import metrics
+from tpuft_operator import maintenance, metrics
+from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.k8s import Api, ApiError
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.slim import slim_finetune, slim_jobset
-from tpuft_operator.status import TERMINAL_PHASES, Observed, derive_status, is_final, status_patch
+from tpuft_operator.status import (
+    TERMINAL_PHASES,
+    Observed,
+    current_pods,
+    derive_status,
+    is_final,
+    status_patch,
+)
 from tpuft_operator.topology import SliceShape
 
 Obj = Mapping[str, Any]
@@ -29,6 +37,8 @@ Obj = Mapping[str, Any]
 NAMESPACE_IDENTITY_RECHECK = 600.0
 # (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
 EventSink = Callable[[str, str, str], None]
+# Conditions that post a Warning Event (reason = the condition type) when they become True.
+WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class Reconciler:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
     # A run's first status waits this long after its JobSet is created (see `_settling`).
     status_settle_seconds: float = 0.0
+    # Least report time between two refreshes of a running run's status.goodput (goodput.py).
+    goodput_interval_seconds: float = 60.0
     # Asks for another reconcile of a run after a delay (the handlers' resync loop provides it).
     defer: Callable[[tuple[str, str], float], None] = lambda key, delay: None
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
@@ -219,8 +231,10 @@ class Reconciler:
         pods: Sequence[Obj],
         *,
         event: EventSink,
+        nodes: Mapping[str, Obj] | None = None,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
     ) -> None:
+        """``nodes``: the nodes the run's pods run on, by name (for maintenance signals)."""
         log = logger or self.log
         meta = finetune["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -229,7 +243,7 @@ class Reconciler:
         started = time.perf_counter()
         with self._lock(key), metrics.RECONCILE_SECONDS.time():
             try:
-                self._reconcile(finetune, jobset, pods, event, log)
+                self._reconcile(finetune, jobset, pods, nodes or {}, event, log)
                 metrics.RECONCILES.labels(result="ok").inc()
             except Exception:
                 metrics.RECONCILES.labels(result="error").inc()
@@ -242,6 +256,7 @@ class Reconciler:
         finetune: Obj,
         jobset: Obj | None,
         pods: Sequence[Obj],
+        nodes: Mapping[str, Obj],
         event: EventSink,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
     ) -> None:
@@ -331,9 +346,14 @@ class Reconciler:
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,
                 topology=shape.topology if shape else None,
+                nodes=nodes,
+                goodput_interval=self.goodput_interval_seconds,
             )
         )
         metrics.observe_phase((namespace, name), derived["phase"])
+        metrics.observe_goodput((namespace, name), (derived.get("goodput") or {}).get("ratio"))
+        if derived["phase"] not in TERMINAL_PHASES:
+            self._request_checkpoints(finetune, current_pods(pods, jobset), nodes, log)
         current: Obj = finetune.get("status") or {}
         patch = status_patch(current, derived)
         settle = self._settling(key, derived, current) if patch is not None else 0.0
@@ -350,6 +370,30 @@ class Reconciler:
             self._jobsets.pop(key, None)
         if creation_error is not None:
             raise creation_error  # logged by the handler; the resync retries
+
+    def _request_checkpoints(
+        self,
+        finetune: Obj,
+        pods: Sequence[Obj],
+        nodes: Mapping[str, Obj],
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        """With spec.maintenance `checkpoint`: when a node of the run announces maintenance, every pod
+        of the run gets the request (its time) in an annotation its trainer sees (maintenance.py)."""
+        if (finetune.get("spec") or {}).get("maintenance", "checkpoint") != "checkpoint":
+            return
+        found = maintenance.for_run(pods, nodes)
+        if found is None or found.request is None:
+            return
+        namespace = finetune["metadata"]["namespace"]
+        for pod in maintenance.pods_to_ask(pods, found.request):
+            self.api.annotate_pod(namespace, pod, {CHECKPOINT_REQUEST_ANNOTATION: str(found.request)})
+            log.info(
+                "asked pod %s to checkpoint now (request %d): %s",
+                pod,
+                found.request,
+                found.message("checkpoint"),
+            )
 
     @staticmethod
     def _post_transition_events(
@@ -372,6 +416,12 @@ class Reconciler:
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
+        for type_ in WARNING_CONDITIONS:
+            now_true = _condition_status(derived, type_) == "True"
+            if now_true and _condition_status(current, type_) != "True":
+                message = next(c["message"] for c in derived["conditions"] if c["type"] == type_)
+                log.warning("%s: %s", type_, message)
+                event("Warning", type_, message)
         if int(patch.get("restarts") or 0) > int(current.get("restarts") or 0):
             # Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running.
             message = (
@@ -382,11 +432,15 @@ class Reconciler:
             event("Warning", "JobSetRestarted", message)
 
 
-def _became_unschedulable(current: Obj, derived: Obj) -> bool:
-    def scheduled(status: Obj) -> str | None:
-        for cond in status.get("conditions") or []:
-            if cond.get("type") == "Scheduled":
-                return str(cond.get("status"))
-        return None
+def _condition_status(status: Obj, type_: str) -> str | None:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == type_:
+            return str(cond.get("status"))
+    return None
 
-    return scheduled(derived) == "False" and scheduled(current) != "False"
+
+def _became_unschedulable(current: Obj, derived: Obj) -> bool:
+    return (
+        _condition_status(derived, "Scheduled") == "False"
+        and _condition_status(current, "Scheduled") != "False"
+    )

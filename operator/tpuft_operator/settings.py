@@ -74,6 +74,26 @@ class OperatorSettings:
         "Least time between two progress reports of a run's trainer (each is one status patch).",
         "TPUFT_PROGRESS_INTERVAL_SECONDS",
     )
+    watch_nodes: bool = _setting(
+        True,
+        "Watch TPU nodes (read-only) for GKE's maintenance signals, to checkpoint runs on a node before "
+        "its maintenance. Needs the chart's cluster-scoped node read (nodes get/list/watch); without it "
+        "runs still save on the SIGTERM a maintenance brings, but get no early checkpoint and no "
+        "MaintenanceScheduled condition.",
+        "TPUFT_WATCH_NODES",
+    )
+    goodput_interval_seconds: float = _setting(
+        60.0,
+        "Least report time between two refreshes of a running run's status.goodput (each is a status "
+        "write; a phase change always refreshes it).",
+        "TPUFT_GOODPUT_INTERVAL_SECONDS",
+    )
+    termination_grace_period_seconds: int = _setting(
+        60,
+        "Default grace period of trainer pods after SIGTERM (a run's spec.terminationGracePeriodSeconds "
+        "overrides it): every host saves the step it reached in that time.",
+        "TPUFT_TERMINATION_GRACE_PERIOD_SECONDS",
+    )
     log_level: str = _setting(
         "INFO",
         "Log level: DEBUG, INFO, WARNING, ERROR.",
@@ -95,7 +115,9 @@ class OperatorSettings:
     def render_settings(self) -> RenderSettings:
         """What of these settings shapes the objects of a run (the JobSet and its trainer config)."""
         return RenderSettings(
-            trainer_image=self.trainer_image, progress_min_interval_seconds=self.progress_interval_seconds
+            trainer_image=self.trainer_image,
+            progress_min_interval_seconds=self.progress_interval_seconds,
+            termination_grace_period_seconds=self.termination_grace_period_seconds,
         )
 
     @classmethod

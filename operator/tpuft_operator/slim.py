@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
 
 
@@ -47,11 +48,19 @@ def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     labels = meta.get("labels") or {}
     attempt_labels = {k: labels[k] for k in (JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL) if k in labels}
+    request = (meta.get("annotations") or {}).get(CHECKPOINT_REQUEST_ANNOTATION)
+    node = (body.get("spec") or {}).get("nodeName")
     return {
         "metadata": {
             "name": meta.get("name"),
             "labels": attempt_labels,
             **({"deletionTimestamp": meta["deletionTimestamp"]} if meta.get("deletionTimestamp") else {}),
+            # The operator's checkpoint request (maintenance.py), so it is made once per pod.
+            **({"annotations": {CHECKPOINT_REQUEST_ANNOTATION: request}} if request is not None else {}),
         },
-        "status": {k: status[k] for k in ("phase", "conditions", "containerStatuses") if k in status},
+        # The node it runs on: where maintenance signals are looked up.
+        **({"spec": {"nodeName": node}} if node else {}),
+        "status": {
+            k: status[k] for k in ("phase", "conditions", "containerStatuses", "startTime") if k in status
+        },
     }

@@ -13,6 +13,10 @@ The phase machine (one transition a line; "terminal" phases never change again):
 A terminal phase is final only while no active JobSet contradicts it (see `is_final`): one written by
 hand next to a running JobSet is derived again from what is observed.
 
+Beside the phase, two warnings: MaintenanceScheduled (GKE announced maintenance of a node the run's
+pods run on, maintenance.py) and CheckpointSlow (a save took more than half the pods' grace period,
+so a stop's save may be cut off); and status.goodput (goodput.py).
+
 It reads only its input, so a restarted operator derives the same status from the same cluster,
 and it never writes `status.progress` (the trainer owns that field).
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from tpuft_operator import goodput, maintenance
 from tpuft_trainer.exit_codes import ExitCode, is_user_error
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -45,6 +50,10 @@ class Observed:
     hosts: int | None = None
     accelerator: str | None = None
     topology: str | None = None
+    # The nodes the run's pods run on, by name (as maintenance.slim_node keeps them).
+    nodes: Mapping[str, Obj] = field(default_factory=dict)
+    # Least report time between two refreshes of status.goodput (goodput.py).
+    goodput_interval: float = 60.0
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -241,6 +250,47 @@ def _derive_phase(obs: Observed) -> _Derived:
     return _Derived("Pending", "Starting", message, {**valid, **not_suspended})
 
 
+def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
+    """MaintenanceScheduled and CheckpointSlow: True while they hold; False once they stop holding
+    (only if they were True: a run that never had maintenance carries no such condition)."""
+    was_true = {c.get("type") for c in previous.get("conditions") or [] if c.get("status") == "True"}
+    wanted: dict[str, tuple[str, str, str]] = {}
+    found = maintenance.for_run(current_pods(obs.pods, obs.jobset), obs.nodes)
+    policy = str((obs.finetune.get("spec") or {}).get("maintenance") or "checkpoint")
+    if found is not None:
+        wanted["MaintenanceScheduled"] = ("True", found.reason, found.message(policy))
+    elif "MaintenanceScheduled" in was_true:
+        wanted["MaintenanceScheduled"] = (
+            "False",
+            "NoMaintenance",
+            "no maintenance announced for the run's nodes",
+        )
+    save = (previous.get("progress") or {}).get("lastCheckpoint") or {}
+    seconds, grace = save.get("seconds"), save.get("graceSeconds")
+    if isinstance(seconds, (int, float)) and isinstance(grace, (int, float)) and grace > 0:
+        if seconds > grace / 2:
+            wanted["CheckpointSlow"] = (
+                "True",
+                "SaveOverHalfTheGrace",
+                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s, more than half the {grace:.0f} s "
+                "grace period after SIGTERM: a stop's save may be cut off (and lose the steps since the last "
+                "complete checkpoint); raise spec.terminationGracePeriodSeconds",
+            )
+        elif "CheckpointSlow" in was_true:
+            wanted["CheckpointSlow"] = (
+                "False",
+                "SaveWithinTheGrace",
+                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s of the {grace:.0f} s grace period",
+            )
+    return wanted
+
+
+def _pod_start(pods: Sequence[Obj]) -> datetime | None:
+    starts = [goodput.parse_time((p.get("status") or {}).get("startTime")) for p in pods]
+    known = [s for s in starts if s is not None]
+    return min(known) if known else None
+
+
 def _merge_conditions(
     previous: Sequence[Obj], wanted: Mapping[str, tuple[str, str, str]], generation: int | None, now: datetime
 ) -> list[dict[str, Any]]:
@@ -272,6 +322,8 @@ def derive_status(obs: Observed) -> dict[str, Any]:
     previous: Obj = obs.finetune.get("status") or {}
     metadata = obs.finetune.get("metadata") or {}
     derived = _derive_phase(obs)
+    if derived.reason != "Finished":  # a finished run's conditions stay as they were
+        derived.conditions.update(_warnings(obs, previous))
     jobset_status: Obj = (obs.jobset or {}).get("status") or {}
     status: dict[str, Any] = {
         "phase": derived.phase,
@@ -303,6 +355,18 @@ def derive_status(obs: Observed) -> dict[str, Any]:
         status["completionTime"] = completion
     elif completion is not None:
         status["completionTime"] = None  # a hand-set terminal phase was overruled; merge-patch null deletes
+    figures = goodput.derive_goodput(
+        previous.get("goodput"),
+        previous.get("progress"),
+        created=goodput.parse_time(metadata.get("creationTimestamp")),
+        pod_start=_pod_start(current_pods(obs.pods, obs.jobset)),
+        phase=derived.phase,
+        phase_changed=derived.phase != previous.get("phase"),
+        completed=goodput.parse_time(status.get("completionTime")),
+        interval=obs.goodput_interval,
+    )
+    if figures is not None:
+        status["goodput"] = figures
     return status
 
 

@@ -32,13 +32,16 @@ NAMESPACED = {
     "tpufinetunes.tpuft.dev": {"list", "watch"},
     "tpufinetunes.tpuft.dev/status": {"get", "patch"},
     "jobsets.jobset.x-k8s.io": {"get", "list", "watch", "create", "patch"},
-    "pods": {"list", "watch"},
+    "pods": {"list", "watch", "patch"},  # patch: only the checkpoint-request annotation (maintenance)
     "serviceaccounts": {"get", "create"},
     "roles.rbac.authorization.k8s.io": {"get", "create"},
     "rolebindings.rbac.authorization.k8s.io": {"get", "create"},
     "events": {"create"},
 }
-CLUSTER_ONLY = {"customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"}}
+CLUSTER_ONLY = {
+    "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
+    "nodes": {"get", "list", "watch"},  # GKE's maintenance signals (watchNodes, on by default here)
+}
 # Every authenticated user has these (system:basic-user): not the chart's.
 EVERYONE = {
     "selfsubjectreviews.authentication.k8s.io",
@@ -265,6 +268,7 @@ VALUE_SETS = {
         "--set",
         "metrics.serviceMonitor.enabled=false",
     ],
+    "watch-namespaces-and-nodes": ["--set", "watchNamespaces={NS1}", "--set", "watchNodes=true"],
     "custom": [
         "--set",
         "image.repository=registry.example.com/platform/tpuft-operator",
@@ -315,9 +319,18 @@ def test_template_passes_server_side_dry_run(
     env = {e["name"]: e["value"] for e in container["env"]}
     if value_set == "watch-namespaces":
         assert env["TPUFT_NAMESPACES"] == ",".join(watched)
+        # Namespaced mode asks for nothing cluster-wide (watchNodes defaults to off there).
         assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+        assert env["TPUFT_WATCH_NODES"] == "false"
         assert sorted(r["metadata"]["namespace"] for r in by_kind(objects, "Role")) == sorted(watched)
         assert sorted(r["metadata"]["namespace"] for r in by_kind(objects, "RoleBinding")) == sorted(watched)
+    if value_set == "watch-namespaces-and-nodes":
+        # The one cluster-wide grant namespaced mode can opt into: reading TPU nodes.
+        (role,) = by_kind(objects, "ClusterRole")
+        assert role["rules"] == [
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
+        ]
+        assert env["TPUFT_WATCH_NODES"] == "true"
     if value_set == "custom":
         assert container["image"] == "registry.example.com/platform/tpuft-operator:0.1.0-rc1"
         assert env["TPUFT_TRAINER_IMAGE"].endswith("@sha256:" + "a" * 64)
@@ -462,7 +475,9 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(
             ("impersonate", "serviceaccounts", "-n", "default"),
             ("create", "serviceaccounts", "--subresource=token", "-n", "default"),
             ("create", "customresourcedefinitions.apiextensions.k8s.io"),
-            ("list", "nodes"),
+            ("patch", "nodes"),
+            ("delete", "nodes"),
+            ("create", "pods", "--subresource=eviction", "-n", "default"),
         ):
             assert not can(local_cluster, who, *denied), f"the operator can {' '.join(denied)}"
     finally:

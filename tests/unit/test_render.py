@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from tpuft_operator.render import RenderSettings, naming, render_run
 from tpuft_operator.render.cli import render as render_command
 from tpuft_operator.render.jobset import CONFIG_ANNOTATION, config_of
 from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
+from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES, ExitCode
 
 BASE: dict[str, Any] = {
     "apiVersion": "tpuft.dev/v1alpha1",
@@ -146,21 +147,59 @@ def test_command_is_exec_form_and_never_carries_spec_values() -> None:
 
 
 def test_failure_policy_split() -> None:
+    """User errors fail the run; a checkpointed stop (75) restarts it without counting; the rest
+    restarts it up to maxRestarts. The JobSet tells the two FailJob pod rules apart by the rule index
+    in the Job controller's failure message ("... matching FailJob rule at index N")."""
     spec = render_run(with_spec(maxRestarts=7)).jobset["spec"]
     assert spec["failurePolicy"]["maxRestarts"] == 7
-    assert spec["failurePolicy"]["rules"] == [
-        {"name": "userError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
-    ]
+    user, stop = spec["failurePolicy"]["rules"]
+    assert user == {
+        "name": "userError",
+        "action": "FailJobSet",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+        "onJobFailureMessagePatterns": ["matching FailJob rule at index 0$"],
+    }
+    assert stop == {
+        "name": "checkpointedStop",
+        "action": "RestartJobSetAndIgnoreMaxRestarts",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+        "onJobFailureMessagePatterns": ["matching FailJob rule at index 1$"],
+    }
     job = spec["replicatedJobs"][0]["template"]["spec"]
     assert job["backoffLimit"] == 0 and job["completionMode"] == "Indexed"
-    (rule,) = job["podFailurePolicy"]["rules"]
-    assert rule["action"] == "FailJob"
-    assert rule["onExitCodes"] == {
+    user_rule, stop_rule = job["podFailurePolicy"]["rules"]
+    assert user_rule["action"] == stop_rule["action"] == "FailJob"
+    assert user_rule["onExitCodes"] == {
         "containerName": "trainer",
         "operator": "In",
         "values": sorted(USER_ERROR_EXIT_CODES),
     }
+    assert stop_rule["onExitCodes"]["values"] == [ExitCode.STOPPED_AFTER_CHECKPOINT] == [75]
+    assert 75 not in USER_ERROR_EXIT_CODES
+    # The message patterns match what the Job controller writes for each rule, and only that one.
+    message = "Container trainer for pod ns/run-slice-0-0-x failed with exit code {code} matching FailJob rule at index {i}"
+    assert re.search(user["onJobFailureMessagePatterns"][0], message.format(code=65, i=0))
+    assert not re.search(user["onJobFailureMessagePatterns"][0], message.format(code=75, i=1))
+    assert re.search(stop["onJobFailureMessagePatterns"][0], message.format(code=75, i=1))
     assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_grace_period_and_the_checkpoint_request_file() -> None:
+    run = render_run(with_spec(terminationGracePeriodSeconds=300))
+    pod = pod_spec(run.jobset)
+    assert pod["terminationGracePeriodSeconds"] == 300
+    config = TrainerConfig.from_yaml(config_of(run.jobset))
+    assert config.stop.grace_seconds == 300
+    assert config.stop.request_file == "/etc/tpuft/checkpoint-request"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tpuft-config"]
+    assert {
+        "path": "checkpoint-request",
+        "fieldRef": {"fieldPath": "metadata.annotations['tpuft.dev/checkpoint-request']"},
+    } in volume["downwardAPI"]["items"]
+    # The operator's default when the spec says nothing.
+    default = render_run(BASE, RenderSettings(termination_grace_period_seconds=45))
+    assert pod_spec(default.jobset)["terminationGracePeriodSeconds"] == 45
+    assert TrainerConfig.from_yaml(config_of(default.jobset)).stop.grace_seconds == 45
 
 
 def test_webhook_defaults_are_explicit() -> None:
@@ -236,9 +275,10 @@ def test_the_config_travels_in_the_pod_template_and_reaches_the_trainer_as_a_fil
         TrainerConfig.from_yaml(template["metadata"]["annotations"][CONFIG_ANNOTATION]) == run.trainer_config
     )
     (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "tpuft-config"]
-    assert volume["downwardAPI"]["items"] == [
-        {"path": "config.yaml", "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}
-    ]
+    assert volume["downwardAPI"]["items"][0] == {
+        "path": "config.yaml",
+        "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"},
+    }
     (container,) = template["spec"]["containers"]
     assert {"name": "tpuft-config", "mountPath": "/etc/tpuft", "readOnly": True} in container["volumeMounts"]
     assert container["command"][-1] == "/etc/tpuft/config.yaml"

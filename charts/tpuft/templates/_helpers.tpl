@@ -59,11 +59,13 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Watch the run's pods (by label) to tell Pending, and why, from Running. Never creates, reads the
-# logs of, or deletes pods: the JobSet and Job controllers do that.
+# Watch the run's pods (by label) to tell Pending, and why, from Running, and on which node each runs.
+# patch: only the annotation tpuft.dev/checkpoint-request, when GKE announces maintenance of a node
+# of the run (its trainer then saves a checkpoint now). Never creates, reads the logs of, or deletes
+# pods: the JobSet and Job controllers do that.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
 # The progress channel's identity: once per namespace the trainer ServiceAccount and a Role +
 # RoleBinding for run statuses (the chart's progress-policy.yaml limits each pod to its own run's
 # status.progress); per run only a RoleBinding when the user names the pods' ServiceAccount.
@@ -79,6 +81,26 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- end -}}
+
+{{/* Whether the operator watches TPU nodes for maintenance signals: watchNodes, else on in
+all-namespaces mode and off in namespaced mode (which asks for nothing cluster-wide). */}}
+{{- define "tpuft.watchNodes" -}}
+{{- if kindIs "bool" .Values.watchNodes -}}
+{{- .Values.watchNodes -}}
+{{- else -}}
+{{- not .Values.watchNamespaces -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Read the TPU nodes (cluster-scoped): GKE announces maintenance there (label
+cloud.google.com/scheduled-maintenance-time, active-node-maintenance, taint
+impending-node-termination), and the operator checkpoints the runs on a node before it. Reads only,
+filtered to TPU nodes by label. */}}
+{{- define "tpuft.nodeRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
 {{- end -}}
 
 {{/* Cluster-scoped reads, only in the ClusterRole (all-namespaces mode). */}}

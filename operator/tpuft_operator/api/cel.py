@@ -29,11 +29,19 @@ IMMUTABLE_MESSAGE = (
 
 Rule = dict[str, Any]
 
-# The pod annotation the operator writes the trainer config into (render/jobset.py): reserved, so a
-# user's spec.podAnnotations can neither replace the config nor be silently overwritten by it.
+# The pod annotations the operator writes (render/jobset.py): the trainer config, and the checkpoint
+# requests it makes when a node announces maintenance (reconcile.py). Reserved, so a user's
+# spec.podAnnotations can neither replace them nor be silently overwritten by them.
 TRAINER_CONFIG_ANNOTATION = "tpuft.dev/trainer-config"
+CHECKPOINT_REQUEST_ANNOTATION = "tpuft.dev/checkpoint-request"
+RESERVED_ANNOTATIONS = (TRAINER_CONFIG_ANNOTATION, CHECKPOINT_REQUEST_ANNOTATION)
 RESERVED_ANNOTATION_MESSAGE = (
-    f"{TRAINER_CONFIG_ANNOTATION} is reserved: the operator puts the trainer config there"
+    f"{TRAINER_CONFIG_ANNOTATION} and {CHECKPOINT_REQUEST_ANNOTATION} are reserved: the operator writes "
+    "the trainer config and its checkpoint requests there"
+)
+COMPILATION_CACHE_MESSAGE = (
+    "must be inside one of spec.volumeMounts (a volume every host sees): in the container's own "
+    "filesystem the cache would be lost with the pod, and a restart could not use it"
 )
 
 # CEL building blocks over a TpuSpec (`self` is spec.tpu).
@@ -188,6 +196,8 @@ IMMUTABLE_FIELDS: dict[str, bool] = {
     "output": False,
     "image": True,
     "maxRestarts": False,
+    "terminationGracePeriodSeconds": True,
+    "maintenance": False,
     "queueName": True,
     "priorityClassName": True,
     "serviceAccountName": True,
@@ -223,16 +233,30 @@ def _mesh_rule() -> Rule:
 
 
 def _reserved_annotation_rule() -> Rule:
+    absent = " && ".join(f"!('{key}' in self.podAnnotations)" for key in RESERVED_ANNOTATIONS)
     return {
-        "rule": f"!has(self.podAnnotations) || !('{TRAINER_CONFIG_ANNOTATION}' in self.podAnnotations)",
+        "rule": f"!has(self.podAnnotations) || ({absent})",
         "message": RESERVED_ANNOTATION_MESSAGE,
         "fieldPath": ".podAnnotations",
         "reason": "FieldValueForbidden",
     }
 
 
+def _compilation_cache_rule() -> Rule:
+    path = "self.fsdp.compilationCachePath"
+    return {
+        "rule": (
+            f"!has(self.fsdp) || !has({path}) || (has(self.volumeMounts) && self.volumeMounts.exists(m, "
+            f"{path} == m.mountPath || {path}.startsWith(m.mountPath.endsWith('/') ? m.mountPath : m.mountPath + '/')))"
+        ),
+        "message": COMPILATION_CACHE_MESSAGE,
+        "fieldPath": ".fsdp.compilationCachePath",
+        "reason": "FieldValueInvalid",
+    }
+
+
 def spec_rules() -> list[Rule]:
-    rules: list[Rule] = [_mesh_rule(), _reserved_annotation_rule()]
+    rules: list[Rule] = [_mesh_rule(), _reserved_annotation_rule(), _compilation_cache_rule()]
     for field, optional in IMMUTABLE_FIELDS.items():
         if optional:
             rule = (

@@ -62,6 +62,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Latest loss.",
     },
     {
+        "name": "Goodput",
+        "type": "number",
+        "jsonPath": ".status.goodput.ratio",
+        "priority": 1,
+        "description": "Productive training time / wall time since creation.",
+    },
+    {
         "name": "JobSet",
         "type": "string",
         "jsonPath": ".status.jobSetName",

@@ -209,6 +209,17 @@ class FsdpSpec(_Spec):
     mesh: MeshSpec | None = Field(
         default=None, description="Mesh axis sizes. Default: all chips of a slice on the fsdp axis."
     )
+    compilation_cache_path: (
+        Annotated[str, StringConstraints(min_length=2, max_length=1024, pattern=r"^/")] | None
+    ) = Field(
+        default=None,
+        description=(
+            "XLA's persistent compilation cache: a directory inside one of spec.volumeMounts that "
+            "every host sees (a ReadWriteMany volume, Filestore, GCS FUSE). The first host writes, the "
+            "others read; a restarted run loads its compiled graphs instead of compiling again (a TPU "
+            "gain: on CPU, torch_xla 2.9 writes entries it cannot read)."
+        ),
+    )
 
 
 class LoraSpec(_Spec):
@@ -381,14 +392,37 @@ class TPUFineTuneSpec(_Spec):
             "the latest checkpoint. The only field that may change after creation."
         ),
     )
+    termination_grace_period_seconds: int | None = Field(
+        default=None,
+        ge=10,
+        le=3600,
+        description=(
+            "Seconds the trainer pods get after SIGTERM (suspend, preemption, a node drain or "
+            "maintenance) before SIGKILL: every host saves the step it reached in that time, so it "
+            "must hold one training step and one checkpoint save. Default: the operator's setting "
+            "(60 s). A stop whose save took more than half of it shows condition CheckpointSlow."
+        ),
+    )
+    maintenance: Literal["checkpoint", "ignore"] = Field(
+        default="checkpoint",
+        description=(
+            "What to do when GKE announces maintenance of a node the run's pods run on (label "
+            "cloud.google.com/scheduled-maintenance-time): `checkpoint` asks the trainer to save a "
+            "checkpoint now and shows condition MaintenanceScheduled; `ignore` only shows the "
+            "condition. Either way the pods save again on the SIGTERM the maintenance brings, and "
+            "the run restarts and resumes when the VMs are back, not counted against maxRestarts."
+        ),
+    )
     max_restarts: int = Field(
         default=3,
         ge=0,
         le=1000,
         description=(
-            "Restarts of the whole run after an infrastructure failure (crash, lost node, preemption), "
-            "each resuming from the latest checkpoint. A user error (bad config, missing data, out of "
-            "memory) fails at once. Raise it for Spot VMs."
+            "Restarts of the whole run after an infrastructure failure (crash, lost node, a SIGTERM "
+            "before any new step), each resuming from the latest checkpoint. A stop after which every "
+            "host saved the step it reached (preemption, a drain, maintenance with the grace period "
+            "honoured) restarts without counting: no work was lost. A user error (bad config, missing "
+            "data, out of memory) fails at once."
         ),
     )
     queue_name: DnsLabel | None = Field(
@@ -463,6 +497,35 @@ class Condition(_Spec):
     )
 
 
+class AttemptProgress(_Spec):
+    """The current attempt of the run (one start of its pods), as its trainer saw it."""
+
+    start_time: datetime | None = Field(default=None, description="When the trainer process started.")
+    first_step_time: datetime | None = Field(
+        default=None, description="When its first training step was done (start-up ends)."
+    )
+    resumed_from_step: int | None = Field(
+        default=None, ge=0, description="The checkpoint step it resumed from (0: the beginning)."
+    )
+    checkpoint_seconds: float | None = Field(
+        default=None, ge=0, description="Time it spent saving checkpoints."
+    )
+
+
+class CheckpointProgress(_Spec):
+    """The latest checkpoint the trainer saved."""
+
+    step: int | None = Field(default=None, ge=0, description="Its step.")
+    seconds: float | None = Field(default=None, ge=0, description="How long the save took (with upload).")
+    reason: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, description="periodic, SIGTERM, or checkpoint request <n> (maintenance)."
+    )
+    grace_seconds: float | None = Field(
+        default=None, ge=0, description="The pods' termination grace period at the time."
+    )
+    time: datetime | None = Field(default=None, description="When the save completed.")
+
+
 class Progress(_Spec):
     """Training progress as reported by the trainer's rank 0."""
 
@@ -474,6 +537,61 @@ class Progress(_Spec):
     update_time: datetime | None = Field(default=None, description="When the trainer last reported.")
     summary: Annotated[str, StringConstraints(max_length=64)] | None = Field(
         default=None, description="Short form for `kubectl get`, e.g. `120/1000 (12%)`."
+    )
+    attempt: AttemptProgress | None = Field(default=None, description="The current attempt, in time.")
+    last_checkpoint: CheckpointProgress | None = Field(
+        default=None, description="The latest checkpoint saved by the current attempt."
+    )
+
+
+class LostTime(_Spec):
+    """Where the time that was not productive training went, in seconds."""
+
+    waiting_seconds: float = Field(
+        default=0.0, ge=0, description="Creation to the first start: capacity, admission, scheduling."
+    )
+    startup_seconds: float = Field(
+        default=0.0, ge=0, description="Pod start to first step, every attempt: image, model load, compile."
+    )
+    checkpoint_seconds: float = Field(default=0.0, ge=0, description="Saving checkpoints.")
+    redone_seconds: float = Field(
+        default=0.0, ge=0, description="Steps done again after a restart (past the checkpoint resumed from)."
+    )
+    restart_gap_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="Between one attempt's end and the next one's start: restart, rescheduling, suspension.",
+    )
+
+
+class GoodputAttempt(_Spec):
+    """One start of the run's pods, as the operator recorded it (what goodput is computed from)."""
+
+    start_time: datetime = Field(description="When its trainer process started (the attempt's identity).")
+    pod_start_time: datetime | None = Field(
+        default=None,
+        description="When its pod started, before the image was pulled (start-up counts from here).",
+    )
+    first_step_time: datetime | None = Field(default=None, description="First training step done.")
+    end_time: datetime = Field(description="The attempt's last report (its end, once another started).")
+    resumed_from_step: int = Field(default=0, ge=0, description="Checkpoint step it resumed from.")
+    last_step: int = Field(default=0, ge=0, description="The last step it reported.")
+    checkpoint_seconds: float = Field(default=0.0, ge=0, description="Time it spent saving.")
+
+
+class Goodput(_Spec):
+    """Productive training time against wall time since creation (computed by the operator from
+    what it observes and what the trainer reports; see docs/operator.md, "What a stop costs")."""
+
+    ratio: float | None = Field(
+        default=None, ge=0, le=1, description="productiveSeconds / wallSeconds (the Goodput column)."
+    )
+    wall_seconds: float = Field(default=0.0, ge=0, description="Creation to asOf.")
+    productive_seconds: float = Field(default=0.0, ge=0, description="Training steps that were kept.")
+    lost: LostTime = Field(default_factory=lambda: LostTime(), description="The rest of the wall time.")
+    as_of: datetime | None = Field(default=None, description="The time these figures are for.")
+    attempts: list[GoodputAttempt] | None = Field(
+        default=None, max_length=32, description="The attempts so far (the newest 32)."
     )
 
 
@@ -501,6 +619,7 @@ class TPUFineTuneStatus(_Spec):
     start_time: datetime | None = Field(default=None, description="When training first started.")
     completion_time: datetime | None = Field(default=None, description="When the run succeeded or failed.")
     progress: Progress | None = Field(default=None, description="Training progress.")
+    goodput: Goodput | None = Field(default=None, description="Productive time and where the rest went.")
     message: Annotated[str, StringConstraints(max_length=32768)] | None = Field(
         default=None, description="Human-readable summary of the current state."
     )

@@ -17,7 +17,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tpuft_operator.api.cel import RESERVED_ANNOTATION_MESSAGE, TRAINER_CONFIG_ANNOTATION
+from tpuft_operator.api.cel import (
+    COMPILATION_CACHE_MESSAGE,
+    RESERVED_ANNOTATION_MESSAGE,
+    RESERVED_ANNOTATIONS,
+)
 from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import TPU_RESOURCE, TopologyError, resolve
 
@@ -242,6 +246,12 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
             errors.append(
                 FieldError(f"spec.volumeMounts[{i}].mountPath", "/etc/tpuft holds the trainer config")
             )
+    cache = spec.fsdp.compilation_cache_path
+    if cache is not None and not any(
+        cache == m.mount_path or cache.startswith(m.mount_path.rstrip("/") + "/")
+        for m in spec.volume_mounts or []
+    ):
+        errors.append(FieldError("spec.fsdp.compilationCachePath", COMPILATION_CACHE_MESSAGE))
     return errors
 
 
@@ -263,7 +273,7 @@ def _pod_template_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     here, the run fails with the field named instead of waiting forever for pods that never come."""
     errors: list[FieldError] = []
     for key in spec.pod_annotations or {}:
-        if key == TRAINER_CONFIG_ANNOTATION:
+        if key in RESERVED_ANNOTATIONS:
             errors.append(FieldError("spec.podAnnotations", RESERVED_ANNOTATION_MESSAGE))
         elif not QUALIFIED_NAME.match(key):
             errors.append(FieldError("spec.podAnnotations", f"{key!r} is not a valid annotation key"))

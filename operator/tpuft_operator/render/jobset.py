@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpuft_operator.api.cel import TRAINER_CONFIG_ANNOTATION
+from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION, TRAINER_CONFIG_ANNOTATION
 from tpuft_operator.api.models import API_VERSION, KIND, TPUFineTune
 from tpuft_operator.render import naming
 from tpuft_operator.render.settings import RenderSettings
@@ -32,7 +32,7 @@ from tpuft_operator.topology import (
     TPU_RESOURCE,
     SliceShape,
 )
-from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
+from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES, ExitCode
 
 Obj = dict[str, Any]
 
@@ -43,6 +43,10 @@ CONFIG_DIR = "/etc/tpuft"
 CONFIG_KEY = "config.yaml"
 # The pod annotation that holds the trainer config (YAML); spec.podAnnotations may not set it.
 CONFIG_ANNOTATION = TRAINER_CONFIG_ANNOTATION
+# The file in the same volume where the operator's checkpoint requests (a pod annotation it sets when a
+# node announces maintenance) reach the trainer; the kubelet refreshes it while the pod runs.
+REQUEST_KEY = "checkpoint-request"
+REQUEST_FILE = f"{CONFIG_DIR}/{REQUEST_KEY}"
 
 FINETUNE_LABEL = "tpuft.dev/finetune"
 FINETUNE_UID_LABEL = "tpuft.dev/finetune-uid"
@@ -170,6 +174,12 @@ def security_context(settings: RenderSettings) -> tuple[Obj, Obj]:
     return pod, container
 
 
+def grace_seconds(ft: TPUFineTune, settings: RenderSettings) -> int:
+    """The pods' termination grace period: the spec's, else the operator's default."""
+    given = ft.spec.termination_grace_period_seconds
+    return given if given is not None else settings.termination_grace_period_seconds
+
+
 def pod_template(
     ft: TPUFineTune, shape: SliceShape, jobset: str, config_yaml: str, settings: RenderSettings
 ) -> Obj:
@@ -191,7 +201,7 @@ def pod_template(
     }
     pod_spec: Obj = {
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": settings.termination_grace_period_seconds,
+        "terminationGracePeriodSeconds": grace_seconds(ft, settings),
         "nodeSelector": node_selector(ft, shape),
         "tolerations": tolerations(ft),
         "securityContext": pod_security,
@@ -204,7 +214,13 @@ def pod_template(
                         {
                             "path": CONFIG_KEY,
                             "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"},
-                        }
+                        },
+                        {
+                            "path": REQUEST_KEY,
+                            "fieldRef": {
+                                "fieldPath": f"metadata.annotations['{CHECKPOINT_REQUEST_ANNOTATION}']"
+                            },
+                        },
                     ],
                 },
             },
@@ -227,14 +243,27 @@ def config_of(jobset: Obj) -> str:
     return str(template["metadata"]["annotations"][CONFIG_ANNOTATION])
 
 
-def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
-    """(Job podFailurePolicy, JobSet failurePolicy): the user-error / infrastructure split.
+# The Job controller's message when a pod matches a FailJob rule on exit codes
+# (pkg/controller/job/pod_failure_policy.go): "Container %s for pod %s/%s failed with exit code %v
+# matching %v rule at index %d". The JobSet rules tell the two FailJob rules apart by it.
+_RULE_MATCH = "matching FailJob rule at index {index}$"
+USER_ERROR_RULE, CHECKPOINTED_STOP_RULE = 0, 1
 
-    A trainer exit code from `USER_ERROR_EXIT_CODES` (bad config, bad data, missing model, permission,
-    out of memory) fails its Job with reason PodFailurePolicy, and that reason fails the JobSet at once:
-    retrying cannot succeed and burns TPU hours. Any other failure (crash, SIGKILL, lost node,
-    preemption) fails the Job through backoffLimit 0, and the JobSet's default action restarts every
-    Job, up to maxRestarts, so all hosts resume together from the last checkpoint.
+
+def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
+    """(Job podFailurePolicy, JobSet failurePolicy): user error / checkpointed stop / infrastructure.
+
+    - A trainer exit code from `USER_ERROR_EXIT_CODES` (bad config, bad data, missing model,
+      permission, out of memory) fails its Job (pod rule 0), and the JobSet fails at once: retrying
+      cannot succeed and burns TPU hours.
+    - Exit 75, a *checkpointed stop* (SIGTERM, then every host saved the step it reached: preemption,
+      a drain, maintenance), fails its Job too (pod rule 1), and the JobSet restarts every Job
+      without counting against maxRestarts: nothing was lost and the next start resumes from a
+      newer checkpoint (a SIGTERM before any new step exits 143, which counts).
+    - Any other failure (crash, SIGKILL, lost node) fails the Job through backoffLimit 0, and the
+      JobSet's default action restarts every Job, up to maxRestarts.
+    Both FailJob rules give the Job the reason PodFailurePolicy; the JobSet rules tell them apart by
+    the rule index in the Job's failure message.
 
     Why not `Ignore` on the DisruptionTarget condition: the Job controller would then replace only the
     disrupted pod while its peers wait in a collective for a host that restarted from scratch; an SPMD
@@ -249,7 +278,15 @@ def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
                     "operator": "In",
                     "values": sorted(int(code) for code in USER_ERROR_EXIT_CODES),
                 },
-            }
+            },
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [int(ExitCode.STOPPED_AFTER_CHECKPOINT)],
+                },
+            },
         ]
     }
     jobset_failure_policy: Obj = {
@@ -260,7 +297,14 @@ def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
                 "name": "userError",
                 "action": "FailJobSet",
                 "onJobFailureReasons": ["PodFailurePolicy"],
-            }
+                "onJobFailureMessagePatterns": [_RULE_MATCH.format(index=USER_ERROR_RULE)],
+            },
+            {
+                "name": "checkpointedStop",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "onJobFailureMessagePatterns": [_RULE_MATCH.format(index=CHECKPOINTED_STOP_RULE)],
+            },
         ],
     }
     return pod_failure_policy, jobset_failure_policy

@@ -8,6 +8,7 @@ token is not: only the *name* of the environment variable that will hold it.
 from __future__ import annotations
 
 from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.render.jobset import REQUEST_FILE, grace_seconds
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import SliceShape
 from tpuft_trainer.config import (
@@ -18,6 +19,7 @@ from tpuft_trainer.config import (
     ModelSource,
     OutputConfig,
     ProgressConfig,
+    StopConfig,
     TrainerConfig,
     TrainingConfig,
     WorldConfig,
@@ -64,6 +66,7 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             layer_cls_to_wrap=spec.fsdp.layer_cls_to_wrap,
             gradient_checkpointing=spec.fsdp.gradient_checkpointing,
             mesh=mesh_for(ft, shape),
+            compilation_cache_path=spec.fsdp.compilation_cache_path,
         ),
         training=TrainingConfig(
             method=training.method,
@@ -85,4 +88,7 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             name=ft.metadata.name,
             min_interval_seconds=settings.progress_min_interval_seconds,
         ),
+        # The request file is read whatever spec.maintenance says: with `ignore` the operator just
+        # never writes a request.
+        stop=StopConfig(grace_seconds=grace_seconds(ft, settings), request_file=REQUEST_FILE),
     )

@@ -1,0 +1,222 @@
+"""status.goodput, the maintenance signals and the checkpoint requests they cause: pure parts."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from tests.unit.test_reconciler import KEY, Events, RecordingApi, reconciler
+from tests.unit.test_status import cond, derive, finetune, jobset, pod
+from tpuft_operator import goodput, maintenance
+from tpuft_operator.api.models import TPUFineTuneStatus
+from tpuft_operator.slim import slim_pod
+
+T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+LOST = ("waitingSeconds", "startupSeconds", "checkpointSeconds", "redoneSeconds", "restartGapSeconds")
+
+
+def at(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def report(
+    start: float, first: float | None, now: float, step: int, resumed: int, saves: float
+) -> dict[str, Any]:
+    attempt: dict[str, Any] = {"startTime": at(start), "resumedFromStep": resumed, "checkpointSeconds": saves}
+    if first is not None:
+        attempt["firstStepTime"] = at(first)
+    return {"step": step, "totalSteps": 100, "updateTime": at(now), "attempt": attempt}
+
+
+def fold(previous: dict[str, Any] | None, progress: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(
+        created=T0, pod_start=None, phase="Running", phase_changed=False, completed=None, interval=60
+    )
+    args.update(kw)
+    result = goodput.derive_goodput(previous, progress, **args)
+    assert result is not None
+    return result
+
+
+def assert_sums_to_wall(figures: dict[str, Any]) -> None:
+    total = figures["productiveSeconds"] + sum(figures["lost"][k] for k in LOST)
+    assert abs(total - figures["wallSeconds"]) < 0.05, figures
+    TPUFineTuneStatus.model_validate({"goodput": figures})  # and it fits the API
+
+
+def test_a_run_with_one_restart_splits_its_wall_time_into_the_buckets() -> None:
+    # Created at 0; pod started at 10 (waiting 10); trainer process at 12; first step at 30
+    # (start-up 20); trained to step 50 by 130 with 5 s of saves; killed.
+    first = fold(None, report(12, 30, 130, 50, 0, 5.0), pod_start=T0 + timedelta(seconds=10))
+    assert first["lost"]["waitingSeconds"] == 10 and first["lost"]["startupSeconds"] == 20
+    # The restart: its pods start at 150 (gap 20), its trainer at 151, first step at 165; it resumed
+    # from checkpoint 40, so steps 41-50 of the first attempt (10 of 50 steps of 95 s) were redone.
+    second = fold(
+        first, report(151, 165, 200, 60, 40, 0.0), pod_start=T0 + timedelta(seconds=150), phase_changed=True
+    )
+    lost = second["lost"]
+    assert lost["restartGapSeconds"] == 20
+    assert lost["startupSeconds"] == 20 + 15
+    assert lost["checkpointSeconds"] == 5
+    assert lost["redoneSeconds"] == round(95 * 10 / 50, 1)
+    assert second["wallSeconds"] == 200
+    assert second["productiveSeconds"] == 200 - 10 - 35 - 5 - 19 - 20
+    assert second["ratio"] == round(second["productiveSeconds"] / 200, 4)
+    assert len(second["attempts"]) == 2
+    assert_sums_to_wall(second)
+
+
+def test_reports_refresh_the_figures_once_per_interval_and_always_at_a_phase_change() -> None:
+    first = fold(None, report(0, 10, 100, 10, 0, 0.0))
+    assert fold(first, report(0, 10, 130, 16, 0, 0.0)) == first  # 30 s of report time: held back
+    later = fold(first, report(0, 10, 170, 24, 0, 0.0))
+    assert later["asOf"] == at(170) and later["attempts"][0]["lastStep"] == 24
+    forced = fold(first, report(0, 10, 101, 11, 0, 0.0), phase_changed=True)
+    assert forced["attempts"][0]["lastStep"] == 11
+    saved = fold(first, report(0, 10, 105, 11, 0, 3.0))  # a save always counts at once
+    assert saved["lost"]["checkpointSeconds"] == 3
+
+
+def test_a_finished_run_is_measured_to_its_completion_and_stays_put() -> None:
+    done = fold(
+        None, report(0, 10, 100, 100, 0, 2.0), phase="Succeeded", completed=T0 + timedelta(seconds=104)
+    )
+    assert done["wallSeconds"] == 104 and done["lost"]["checkpointSeconds"] == 2 + 4  # the final save
+    assert (
+        fold(done, report(0, 10, 100, 100, 0, 2.0), phase="Succeeded", completed=T0 + timedelta(seconds=104))
+        == done
+    )
+    assert_sums_to_wall(done)
+    assert 0 < done["ratio"] <= 1
+
+
+def test_no_figures_before_the_trainer_reports() -> None:
+    assert (
+        goodput.derive_goodput(
+            None,
+            {"step": 3},
+            created=T0,
+            pod_start=None,
+            phase="Running",
+            phase_changed=False,
+            completed=None,
+            interval=60,
+        )
+        is None
+    )
+
+
+def test_attempts_are_bounded() -> None:
+    figures: dict[str, Any] | None = None
+    for i in range(40):
+        figures = fold(figures, report(i * 100, i * 100 + 5, i * 100 + 50, i + 1, i, 0.0), phase_changed=True)
+    assert figures is not None and len(figures["attempts"]) == goodput.MAX_ATTEMPTS
+    assert_sums_to_wall(figures)
+
+
+# ---- maintenance ---------------------------------------------------------------------------------
+def node(name: str, **labels: str) -> dict[str, Any]:
+    taints = (
+        [{"key": maintenance.TERMINATION_TAINT, "effect": "NoSchedule"}]
+        if labels.pop("terminating", "")
+        else []
+    )
+    return maintenance.slim_node(
+        {
+            "metadata": {"name": name, "labels": {"other": "x", **labels}},
+            "spec": {"taints": [{"key": "google.com/tpu"}, *taints]},
+        }
+    )
+
+
+def on(name: str, node_name: str, request: str | None = None) -> dict[str, Any]:
+    body = pod(name)
+    body["spec"] = {"nodeName": node_name}
+    if request is not None:
+        body["metadata"]["annotations"] = {"tpuft.dev/checkpoint-request": request}
+    return slim_pod(body)
+
+
+def test_signals_are_read_from_the_labels_and_taint_gke_sets() -> None:
+    assert not maintenance.node_signals(node("a")).any
+    soon = maintenance.node_signals(node("a", **{maintenance.SCHEDULED_LABEL: "1733083200"}))
+    assert soon.scheduled == 1733083200 and "2024-12-01T20:00:00Z" in soon.describe()
+    assert maintenance.node_signals(node("a", **{maintenance.ACTIVE_LABEL: "ONGOING"})).active
+    assert maintenance.node_signals(node("a", terminating="yes")).terminating
+    assert maintenance.node_signals(node("a", **{maintenance.SCHEDULED_LABEL: "soon"})).scheduled is None
+
+
+def test_maintenance_on_one_node_concerns_the_whole_run_and_asks_every_pod_once() -> None:
+    nodes = {"n0": node("n0"), "n1": node("n1", **{maintenance.SCHEDULED_LABEL: "1733083200"})}
+    pods = [on("p0", "n0"), on("p1", "n1", request="1733083200")]
+    found = maintenance.for_run(pods, nodes)
+    assert found is not None and found.request == 1733083200 and found.reason == "MaintenanceScheduled"
+    assert maintenance.pods_to_ask(pods, 1733083200) == ["p0"]  # p1 already has it
+    assert maintenance.for_run([on("p0", "n0")], nodes) is None
+
+
+def test_the_condition_and_its_clearing() -> None:
+    nodes = {"n1": node("n1", **{maintenance.SCHEDULED_LABEL: "1733083200"})}
+    ft = finetune()
+    status = derive(ft, jobset(), [on("p0", "n1"), on("p1", "n1")], nodes=nodes)
+    scheduled = cond(status, "MaintenanceScheduled")
+    assert scheduled["status"] == "True" and scheduled["reason"] == "MaintenanceScheduled"
+    assert "node n1: maintenance scheduled for 2024-12-01T20:00:00Z" in scheduled["message"]
+    assert "asked the trainer to checkpoint now" in scheduled["message"]
+    ignored = derive(finetune(maintenance="ignore"), jobset(), [on("p0", "n1")], nodes=nodes)
+    assert "no checkpoint requested" in cond(ignored, "MaintenanceScheduled")["message"]
+    # Gone (the pods moved, or GKE removed the label): False, once it had been True.
+    cleared = derive(finetune(status), jobset(), [on("p0", "n9"), on("p1", "n9")], nodes=nodes)
+    assert cond(cleared, "MaintenanceScheduled")["status"] == "False"
+    never = derive(finetune(), jobset(), [on("p0", "n9"), on("p1", "n9")], nodes=nodes)
+    assert "MaintenanceScheduled" not in {c["type"] for c in never["conditions"]}
+
+
+def test_a_slow_save_is_a_warning_condition() -> None:
+    def with_save(seconds: float) -> dict[str, Any]:
+        return {
+            "progress": {
+                "lastCheckpoint": {"step": 40, "seconds": seconds, "graceSeconds": 60, "reason": "periodic"}
+            }
+        }
+
+    slow = derive(finetune(with_save(31)), jobset(), [pod("a"), pod("b")])
+    assert cond(slow, "CheckpointSlow")["status"] == "True"
+    assert "more than half the 60 s grace period" in cond(slow, "CheckpointSlow")["message"]
+    fine = derive(
+        finetune({**with_save(12), "conditions": slow["conditions"]}), jobset(), [pod("a"), pod("b")]
+    )
+    assert cond(fine, "CheckpointSlow")["status"] == "False"
+    assert "CheckpointSlow" not in {
+        c["type"] for c in derive(finetune(with_save(12)), jobset(), [pod("a")])["conditions"]
+    }
+
+
+def test_the_reconciler_asks_the_pods_and_posts_the_event_once() -> None:
+    api = RecordingApi()
+    annotated: list[tuple[str, dict[str, str]]] = []
+    api.annotate_pod = lambda ns, name, annotations: annotated.append((name, dict(annotations)))  # type: ignore[attr-defined]
+    r, _ = reconciler(api)
+    events = Events()
+    nodes = {"n1": node("n1", **{maintenance.SCHEDULED_LABEL: "1733083200"})}
+    running = finetune({"phase": "Running", "jobSetName": "run"})
+    running["metadata"]["resourceVersion"] = "5"
+    pods = [on("p0", "n1"), on("p1", "n1")]
+    r.reconcile(running, jobset(), pods, event=events, nodes=nodes)
+    assert annotated == [(p, {"tpuft.dev/checkpoint-request": "1733083200"}) for p in ("p0", "p1")]
+    assert events.posted == ["MaintenanceScheduled"]
+    # The pods carry it now (the watch shows the annotation): nothing more is written or posted.
+    annotated.clear()
+    written = r._written[KEY]
+    written["status"] = {**running["status"], **written["status"]}  # what the merge patch left
+    pods = [on("p0", "n1", "1733083200"), on("p1", "n1", "1733083200")]
+    r.reconcile(written, jobset(), pods, event=events, nodes=nodes)
+    assert annotated == [] and events.posted == ["MaintenanceScheduled"]
+    # spec.maintenance: ignore writes no request, but still says so.
+    quiet_api = RecordingApi()
+    quiet_api.annotate_pod = lambda ns, name, annotations: annotated.append((name, dict(annotations)))  # type: ignore[attr-defined]
+    quiet, _ = reconciler(quiet_api)
+    ignoring = finetune({"phase": "Running", "jobSetName": "run"}, maintenance="ignore")
+    ignoring["metadata"]["resourceVersion"] = "9"
+    quiet.reconcile(ignoring, jobset(), [on("p0", "n1"), on("p1", "n1")], event=events, nodes=nodes)
+    assert annotated == [] and events.posted == ["MaintenanceScheduled", "MaintenanceScheduled"]
