@@ -321,3 +321,15 @@ def test_uri_output_round_trip_resumes_only_complete_checkpoints(tmp_path: Path)
     # Before resuming from 4, the cut-off save is removed (the Trainer would save into it again).
     assert storage.remove_incomplete_checkpoints(local, after_step=4) == ["checkpoint-6"]
     assert sorted(p.name for p in local.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_the_request_file_is_found_next_to_the_config_wherever_the_volume_is_mounted(tmp_path: Path) -> None:
+    config = tmp_path / "mounted" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text(
+        "model: {name: m}\ndataset: {name: d}\ntraining: {max_steps: 1}\noutput: {uri: /o}\n"
+        "stop: {request_file: checkpoint-request}\n"
+    )
+    assert TrainerConfig.load(config).stop.request_file == str(tmp_path / "mounted" / "checkpoint-request")
+    config.write_text(config.read_text().replace("checkpoint-request", "/abs/request"))
+    assert TrainerConfig.load(config).stop.request_file == "/abs/request"

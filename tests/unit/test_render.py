@@ -190,7 +190,7 @@ def test_grace_period_and_the_checkpoint_request_file() -> None:
     assert pod["terminationGracePeriodSeconds"] == 300
     config = TrainerConfig.from_yaml(config_of(run.jobset))
     assert config.stop.grace_seconds == 300
-    assert config.stop.request_file == "/etc/tpuft/checkpoint-request"
+    assert config.stop.request_file == "checkpoint-request"  # next to the config file, in its volume
     (volume,) = [v for v in pod["volumes"] if v["name"] == "tpuft-config"]
     assert {
         "path": "checkpoint-request",

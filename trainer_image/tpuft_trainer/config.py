@@ -115,6 +115,7 @@ class StopConfig(_Strict):
     file in which the operator asks for a checkpoint now, and the port the hosts agree over."""
 
     grace_seconds: float = Field(default=60.0, gt=0)
+    # A relative path is relative to the config file's directory: both come from the same volume.
     request_file: str | None = None
     # The first host listens here (TPUFT_COORDINATOR_ADDRESS) for the other hosts' stop channel.
     coordination_port: int = Field(default=29500, ge=1, le=65535)
@@ -159,4 +160,11 @@ class TrainerConfig(_Strict):
 
     @classmethod
     def load(cls, path: str | Path) -> TrainerConfig:
-        return cls.from_yaml(Path(path).read_text())
+        config = cls.from_yaml(Path(path).read_text())
+        request = config.stop.request_file
+        if request is not None and not Path(request).is_absolute():
+            located = str(Path(path).parent / request)
+            config = config.model_copy(
+                update={"stop": config.stop.model_copy(update={"request_file": located})}
+            )
+        return config

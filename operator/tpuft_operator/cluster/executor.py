@@ -4,9 +4,15 @@ kwok schedules and starts pods on fake TPU nodes but runs nothing. For `make dem
 of progress), pods annotated ``tpuft.dev/run-on-host: "true"`` are executed for real: the executor
 waits until kwok reports the pod Running, then runs the container's exact command on this machine
 with the pod's environment (values, downward-API fields, Secret keys), its downward-API and
-ConfigMap volumes materialised in a temporary directory, and credentials of the pod's ServiceAccount
-(a bound token, so RBAC applies exactly as in the pod). When the process exits it reports the exit code in the pod
-status, as a kubelet does. `google.com/tpu: N` becomes N PJRT CPU devices.
+ConfigMap volumes materialised in a temporary directory (downward-API files refreshed while it runs,
+as a kubelet does: the operator's checkpoint requests arrive that way), and credentials of the pod's
+ServiceAccount (a bound token, so RBAC applies exactly as in the pod). When the process exits it
+reports the exit code in the pod status, as a kubelet does. `google.com/tpu: N` becomes N PJRT CPU
+devices.
+
+Deletion is a kubelet's too (suspend, a drain, a JobSet restart): the process gets SIGTERM, SIGKILL
+after the pod's grace period, its exit code is reported, and only then is the pod deleted (kwok's
+own pod-delete stage is switched off for these pods, see `run_on_host_annotations`).
 
 Limits, by design: hostPath volumes must be mounted at their own path (no chroot here); images are
 ignored (the host's Python environment is the image).
@@ -19,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,9 +43,21 @@ RUN_ON_HOST_ANNOTATION = "tpuft.dev/run-on-host"
 log = logging.getLogger("tpuft.executor")
 
 
+# kwok's upstream pod-delete stage reads its weight from this annotation; 0 leaves deletion to us.
+_DELETE_WEIGHT_ANNOTATION = "pod-delete.stage.kwok.x-k8s.io/weight"
+
+
 def run_on_host_annotations() -> dict[str, str]:
-    """Pod annotations for a pod the executor should run (kwok keeps it Running meanwhile)."""
-    return {RUN_ON_HOST_ANNOTATION: "true", **hold_running("24h")}
+    """Pod annotations for a pod the executor should run (kwok keeps it Running meanwhile, and leaves
+    its deletion to the executor, which stops the process first)."""
+    return {RUN_ON_HOST_ANNOTATION: "true", _DELETE_WEIGHT_ANNOTATION: "0", **hold_running("24h")}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 class PodSpecError(RuntimeError):
@@ -71,6 +90,12 @@ class HostProcess:
     process: subprocess.Popen[bytes]
     workdir: Path
     log_path: Path
+    # The pod's downward-API volumes: mount name -> host directory, rewritten when the pod changes.
+    downward: dict[str, Path] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    # Set once the pod is being deleted: when SIGTERM was sent, and the grace period after it.
+    terminating_since: float | None = None
+    grace_seconds: float = 30.0
 
 
 @dataclass
@@ -116,19 +141,76 @@ class LocalExecutor:
         pods = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-o", "json").stdout)[
             "items"
         ]
+        by_name = {pod["metadata"]["name"]: pod for pod in pods}
         for pod in pods:
             name = pod["metadata"]["name"]
             wanted = (pod["metadata"].get("annotations") or {}).get(RUN_ON_HOST_ANNOTATION) == "true"
             running = pod.get("status", {}).get("phase") == "Running"
-            if wanted and running and name not in self._running and name not in self._done:
+            deleting = bool(pod["metadata"].get("deletionTimestamp"))
+            if wanted and running and not deleting and name not in self._running and name not in self._done:
                 self._launch(pod)
+            elif wanted and deleting and name not in self._running:
+                self._finish_deletion(name)  # never started here, or already stopped
         for name, host in list(self._running.items()):
+            pod = by_name.get(name)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                self._terminate(host, pod)
+            elif host.process.poll() is None:
+                self._refresh_downward(host, pod)
             code = host.process.poll()
             if code is not None:
-                self._report_exit(name, code)
+                if pod is not None:
+                    self._report_exit(name, code)
+                    if pod["metadata"].get("deletionTimestamp"):
+                        self._finish_deletion(name)
                 del self._running[name]
                 self._done.add(name)
                 shutil.rmtree(host.workdir, ignore_errors=True)
+
+    def _terminate(self, host: HostProcess, pod: dict[str, Any] | None) -> None:
+        """What a kubelet does for a pod being deleted: SIGTERM, then SIGKILL after the grace period."""
+        if host.process.poll() is not None:
+            return
+        now = time.monotonic()
+        if host.terminating_since is None:
+            grace = None
+            if pod is not None:
+                grace = pod["metadata"].get("deletionGracePeriodSeconds")
+                if grace is None:
+                    grace = pod["spec"].get("terminationGracePeriodSeconds")
+            host.grace_seconds = float(grace if grace is not None else 30)
+            host.terminating_since = now
+            host.process.send_signal(signal.SIGTERM)
+            log.info("pod %s is being deleted: SIGTERM, %.0f s grace", host.pod, host.grace_seconds)
+        elif now - host.terminating_since > host.grace_seconds:
+            log.warning("pod %s did not stop within %.0f s: SIGKILL", host.pod, host.grace_seconds)
+            host.process.kill()
+
+    def _finish_deletion(self, name: str) -> None:
+        """The kubelet's last word on a deleted pod whose containers have stopped."""
+        self.cluster.kubectl(
+            "delete",
+            "pod",
+            name,
+            "-n",
+            self.namespace,
+            "--grace-period=0",
+            "--force",
+            "--wait=false",
+            check=False,
+        )
+
+    def _refresh_downward(self, host: HostProcess, pod: dict[str, Any]) -> None:
+        """Rewrites the downward-API files when the pod's annotations changed (kubelets do this on
+        their sync loop), each file replaced at once so a reader never sees half of it."""
+        annotations = dict(pod["metadata"].get("annotations") or {})
+        if annotations == host.annotations:
+            return
+        host.annotations = annotations
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        for name, target in host.downward.items():
+            for relative, text in self._volume_files(pod, name, volumes[name]).items():
+                _write_atomically(target / relative, text)
 
     # ------------------------------------------------------------------ one pod
     def _launch(self, pod: dict[str, Any]) -> None:
@@ -160,7 +242,14 @@ class LocalExecutor:
                 self._done.add(name)
                 return
         log.info("running pod %s on the host: %s (log %s)", name, " ".join(argv), log_path)
-        self._running[name] = HostProcess(name, process, workdir, log_path)
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        downward = {
+            m["name"]: workdir / "volumes" / m["name"]
+            for m in container.get("volumeMounts") or []
+            if "downwardAPI" in volumes.get(m["name"], {})
+        }
+        annotations = dict(pod["metadata"].get("annotations") or {})
+        self._running[name] = HostProcess(name, process, workdir, log_path, downward, annotations)
 
     def _mounts(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
         """mountPath -> host path, materialising downward-API and ConfigMap volumes."""
@@ -172,9 +261,7 @@ class LocalExecutor:
                 target = workdir / "volumes" / mount["name"]
                 target.mkdir(parents=True, exist_ok=True)
                 for relative, text in self._volume_files(pod, mount["name"], volume).items():
-                    path = target / relative
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(text)
+                    _write_atomically(target / relative, text)
                 mounts[mount["mountPath"]] = str(target)
             elif "hostPath" in volume:
                 if volume["hostPath"]["path"] != mount["mountPath"]:

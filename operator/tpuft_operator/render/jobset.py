@@ -44,9 +44,9 @@ CONFIG_KEY = "config.yaml"
 # The pod annotation that holds the trainer config (YAML); spec.podAnnotations may not set it.
 CONFIG_ANNOTATION = TRAINER_CONFIG_ANNOTATION
 # The file in the same volume where the operator's checkpoint requests (a pod annotation it sets when a
-# node announces maintenance) reach the trainer; the kubelet refreshes it while the pod runs.
+# node announces maintenance) reach the trainer; the kubelet refreshes it while the pod runs. The
+# trainer config names it relative to itself (the same volume, wherever it is mounted).
 REQUEST_KEY = "checkpoint-request"
-REQUEST_FILE = f"{CONFIG_DIR}/{REQUEST_KEY}"
 
 FINETUNE_LABEL = "tpuft.dev/finetune"
 FINETUNE_UID_LABEL = "tpuft.dev/finetune-uid"

@@ -8,7 +8,7 @@ token is not: only the *name* of the environment variable that will hold it.
 from __future__ import annotations
 
 from tpuft_operator.api.models import TPUFineTune
-from tpuft_operator.render.jobset import REQUEST_FILE, grace_seconds
+from tpuft_operator.render.jobset import REQUEST_KEY, grace_seconds
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import SliceShape
 from tpuft_trainer.config import (
@@ -90,5 +90,5 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
         ),
         # The request file is read whatever spec.maintenance says: with `ignore` the operator just
         # never writes a request.
-        stop=StopConfig(grace_seconds=grace_seconds(ft, settings), request_file=REQUEST_FILE),
+        stop=StopConfig(grace_seconds=grace_seconds(ft, settings), request_file=REQUEST_KEY),
     )
