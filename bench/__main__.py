@@ -3,6 +3,7 @@
 python -m bench                              # the operator at N=100, 300, 1000, then the trainer
 python -m bench operator --n 100 300 1000    # one part (options: python -m bench operator -h)
 python -m bench trainer
+python -m bench goodput --steps 1200         # a real run, undisrupted vs suspended, SIGKILLed, maintained
 python -m bench report                       # the table and the plot from bench/results/*.json
 """
 
@@ -12,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from bench import operator, trainer
+from bench import goodput, operator, trainer
 
 TARGET_RATIO_N, TARGET_RATIO = 300, 2.0
 TARGET_WRITES_TO_RUNNING = 3
@@ -168,16 +169,23 @@ def report() -> None:
     if trainer.RESULTS.exists():
         print()
         print("\n".join(trainer_report(json.loads(trainer.RESULTS.read_text()))))
+    if goodput.RESULTS.exists():
+        results = json.loads(goodput.RESULTS.read_text())
+        print()
+        print("\n".join(goodput.report(results)))
+        goodput.plot(results)
 
 
 def main(argv: list[str]) -> None:
     part, rest = (argv[0], argv[1:]) if argv else ("all", [])
-    if part not in ("all", "operator", "trainer", "report"):
-        raise SystemExit(f"unknown benchmark {part!r}: operator, trainer or report (none: all)")
+    if part not in ("all", "operator", "trainer", "goodput", "report"):
+        raise SystemExit(f"unknown benchmark {part!r}: operator, trainer, goodput or report (none: all)")
     if part in ("all", "operator"):
         operator.cli(rest)
     if part in ("all", "trainer"):
         trainer.main()
+    if part in ("all", "goodput"):
+        goodput.main(**vars(goodput.parser().parse_args(rest if part == "goodput" else [])))
     report()
 
 

@@ -1,0 +1,318 @@
+"""What stops cost a real run: the same tiny fine-tune through the local cluster twice, once left alone
+and once disrupted by a suspend and resume, a SIGKILLed host, and GKE maintenance (the label, then
+the drain). Results: bench/results/goodput.json and goodput.png.
+
+The pods' `tpuft train` runs on this machine (the local executor, as in `make demo`: 4 PJRT CPU
+devices for a v5e 2x2 host), with the pod's environment, config and token; the executor plays the
+kubelet (SIGTERM on deletion, SIGKILL after the grace period). Steps lost per disruption come from the
+trainer's own logs (the step each attempt reached against the step the next one resumed from);
+goodput from status.goodput. Targets (issue 17): at most 1 step lost on SIGTERM and on maintenance,
+and the disrupted run's goodput at least 0.9 x the undisrupted one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
+from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.cluster.operator_process import OperatorProcess, install_operator
+from tpuft_operator.demo import build_assets
+from tpuft_operator.maintenance import SCHEDULED_LABEL
+from tpuft_trainer.storage import COMPLETE
+
+RESULTS = Path(__file__).parent / "results" / "goodput.json"
+PNG = RESULTS.with_suffix(".png")
+CLUSTER = "bench-goodput"
+NAMESPACE = "goodput"
+STEPS, SAVE_STEPS = 1200, 100
+TARGET_STEPS_LOST, TARGET_GOODPUT_RATIO = 1, 0.9
+LOST = ("waitingSeconds", "startupSeconds", "checkpointSeconds", "redoneSeconds", "restartGapSeconds")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ ")
+
+
+def run_body(name: str, root: Path, steps: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"name": f"{root}/model", "dtype": "float32"},
+            "dataset": {"name": f"{root}/data/train.jsonl"},
+            "tpu": {"type": "v5e", "topology": "2x2"},
+            "fsdp": {"gradientCheckpointing": False},
+            "training": {
+                "maxSteps": steps,
+                "learningRate": 1e-3,
+                "perDeviceBatchSize": 2,
+                "maxSeqLength": 32,
+                "optimizer": "adamw",
+                "saveSteps": SAVE_STEPS,  # bounds what the SIGKILL loses
+            },
+            "output": {"uri": f"{root}/output-{name}"},
+            "maxRestarts": 1,  # the SIGKILL counts; the checkpointed stops must not
+            "volumes": [{"name": "work", "hostPath": {"path": str(root), "type": "Directory"}}],
+            "volumeMounts": [{"name": "work", "mountPath": str(root)}],
+            "podAnnotations": run_on_host_annotations(),
+        },
+    }
+
+
+class Run:
+    """One TPUFineTune and the cluster calls the disruptions need."""
+
+    def __init__(self, cluster: LocalCluster, executor: LocalExecutor, name: str, output: Path) -> None:
+        self.cluster, self.executor, self.name, self.output = cluster, executor, name, output
+
+    def status(self) -> dict[str, Any]:
+        out = self.cluster.kubectl("get", "tpuft", self.name, "-n", NAMESPACE, "-o", "json")
+        return dict(json.loads(out.stdout).get("status") or {})
+
+    def step(self) -> int:
+        return int((self.status().get("progress") or {}).get("step") or 0)
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: timed out waiting for {what}; status {self.status()}")
+            time.sleep(0.5)
+
+    def wait_for_step(self, step: int) -> None:
+        self.wait(f"step {step}", lambda: self.step() >= step)
+
+    def suspend(self, value: bool) -> None:
+        body = json.dumps({"spec": {"suspend": value}})
+        self.cluster.kubectl("patch", "tpuft", self.name, "-n", NAMESPACE, "--type=merge", "-p", body)
+
+    def node(self) -> str:
+        out = self.cluster.kubectl(
+            "get", "pods", "-n", NAMESPACE, "-l", f"tpuft.dev/finetune={self.name}", "-o",
+            "jsonpath={.items[?(@.status.phase=='Running')].spec.nodeName}",
+        )  # fmt: skip
+        return out.stdout.split()[0]
+
+    def checkpoints(self) -> list[int]:
+        return sorted(
+            int(p.name.split("-")[1]) for p in self.output.glob("checkpoint-*") if (p / COMPLETE).exists()
+        )
+
+
+def disrupt(run: Run, steps: int) -> list[dict[str, Any]]:
+    """The three disruptions at 20%, 45% and 70% of the run; what each did, in order."""
+    done: list[dict[str, Any]] = []
+    run.wait_for_step(steps // 5)
+    started = time.monotonic()
+    run.suspend(True)
+    run.wait(
+        "phase Suspended, no trainer",
+        lambda: run.status().get("phase") == "Suspended" and not run.executor.logs(),
+    )
+    time.sleep(2)
+    run.suspend(False)
+    done.append({"disruption": "suspend, resume 2 s later", "seconds": round(time.monotonic() - started, 1)})
+
+    run.wait_for_step(steps * 45 // 100)
+    hit = run.executor.kill_all()
+    done.append({"disruption": "SIGKILL of the host (a VM lost without notice)", "pods": hit})
+
+    run.wait_for_step(steps * 70 // 100)
+    node = run.node()
+    announced = int(time.time()) + 3600
+    saved_before = run.checkpoints()
+    started = time.monotonic()
+    run.cluster.kubectl("label", "node", node, f"{SCHEDULED_LABEL}={announced}", "--overwrite")
+    run.wait(
+        "the maintenance checkpoint",
+        lambda: (
+            ((run.status().get("progress") or {}).get("lastCheckpoint") or {}).get("reason")
+            == f"checkpoint request {announced}"
+        ),
+    )
+    asked = {
+        "disruption": "GKE maintenance announced on the run's node",
+        "seconds_to_checkpoint": round(time.monotonic() - started, 1),
+        "checkpoint": next((s for s in run.checkpoints() if s not in saved_before), None),
+    }
+    run.wait_for_step(steps * 75 // 100)
+    run.cluster.kubectl(
+        "drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=300s"
+    )
+    run.cluster.kubectl("uncordon", node)
+    run.cluster.kubectl("label", "node", node, f"{SCHEDULED_LABEL}-")
+    done += [asked, {"disruption": "the maintenance: node drained (SIGTERM), back at once"}]
+    return done
+
+
+def attempts_from_logs(logs: Sequence[Path]) -> list[dict[str, Any]]:
+    """Per trainer process, in order: the step it resumed from and the last step it reached."""
+    found = []
+    for path in logs:
+        text = path.read_text(errors="replace")
+        stamp = next((m.group(1) for line in text.splitlines() if (m := _STAMP.match(line))), None)
+        resumed = re.search(r"resuming from \S*checkpoint-(\d+)", text)
+        reached = [int(s) for s in re.findall(r"progress: step (\d+)/", text)]
+        reached += [int(s) for s in re.findall(r"stopped at step (\d+)", text)]
+        found.append(
+            {
+                "pod": path.stem,
+                "started": stamp,
+                "resumed_from": int(resumed.group(1)) if resumed else 0,
+                "last_step": max(reached, default=0),
+                "stopped_with_checkpoint": "after saving checkpoint-" in text,
+            }
+        )
+    return sorted(
+        found, key=lambda a: datetime.strptime(a["started"] or "9999-01-01 00:00:00", "%Y-%m-%d %H:%M:%S")
+    )
+
+
+def steps_lost(attempts: list[dict[str, Any]]) -> list[int]:
+    return [max(0, a["last_step"] - b["resumed_from"]) for a, b in itertools.pairwise(attempts)]
+
+
+def measure(cluster: LocalCluster, root: Path, name: str, steps: int, disrupted: bool) -> dict[str, Any]:
+    logs = root / f"pods-{name}"
+    executor = LocalExecutor(cluster, NAMESPACE, logs)
+    executor.start()
+    run = Run(cluster, executor, name, root / f"output-{name}")
+    try:
+        cluster.apply([run_body(name, root, steps)])
+        disruptions = disrupt(run, steps) if disrupted else []
+        run.wait("the end", lambda: run.status().get("phase") in ("Succeeded", "Failed"), timeout=3600)
+    finally:
+        executor.stop()
+    status = run.status()
+    attempts = attempts_from_logs(sorted(logs.glob("*.log")))
+    lost = steps_lost(attempts)
+    # One attempt ends at each disruption but the announcement (its checkpoint ends nothing).
+    restarting = [d for d in disruptions if "seconds_to_checkpoint" not in d]
+    for disruption, count in zip(restarting, lost, strict=False):
+        disruption["steps_lost"] = count
+    return {
+        "run": name,
+        "phase": status.get("phase"),
+        "steps": steps,
+        "restarts": status.get("restarts", 0),
+        "goodput": status.get("goodput"),
+        "attempts": attempts,
+        "steps_lost": lost,
+        "disruptions": disruptions,
+    }
+
+
+def main(steps: int = STEPS) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="tpuft-goodput-"))
+    build_assets(root)
+    cluster = LocalCluster(name=CLUSTER, log=lambda line: print(f"   [cluster] {line}"))
+    cluster.down()
+    cluster.up()
+    operator = OperatorProcess(
+        install_operator(cluster),
+        root / "operator.log",
+        TPUFT_RESYNC_SECONDS="5",
+        TPUFT_PROGRESS_INTERVAL_SECONDS="1",
+        TPUFT_GOODPUT_INTERVAL_SECONDS="5",
+        TPUFT_TRAINER_IMAGE="example.invalid/tpuft-trainer:bench",
+    )
+    try:
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        cluster.add_nodepool("v5e", "2x2", prefix="goodput")
+        operator.start()
+        print(f">> goodput: an undisrupted run of {steps} steps")
+        calm = measure(cluster, root, "calm", steps, disrupted=False)
+        print(">> goodput: the same run, suspended, SIGKILLed and maintained")
+        rough = measure(cluster, root, "disrupted", steps, disrupted=True)
+    finally:
+        operator.stop()
+        cluster.down()
+    results = {
+        "what": "a tiny Llama fine-tune on 4 PJRT CPU devices through the local cluster, undisrupted vs disrupted",
+        "steps": steps,
+        "save_steps": SAVE_STEPS,
+        "runs": [calm, rough],
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results)
+    return results
+
+
+def report(results: dict[str, Any]) -> list[str]:
+    calm, rough = results["runs"]
+    lines = [
+        f"goodput under disruption ({results['what']}; {results['steps']} steps, saveSteps {results['save_steps']}):"
+    ]
+    lines.append(
+        f"{'run':>10} {'phase':>9} {'restarts':>8} {'goodput':>7} {'wall s':>7} "
+        + " ".join(f"{k[:-7]:>12}" for k in LOST)
+    )
+    for run in (calm, rough):
+        g = run["goodput"] or {}
+        lost = g.get("lost") or {}
+        lines.append(
+            f"{run['run']:>10} {run['phase']:>9} {run['restarts']:>8} {g.get('ratio', '-'):>7} {g.get('wallSeconds', '-'):>7} "
+            + " ".join(f"{lost.get(k, '-'):>12}" for k in LOST)
+        )
+    for d in rough["disruptions"]:
+        extra = f": {d['steps_lost']} step(s) lost" if "steps_lost" in d else ""
+        if "seconds_to_checkpoint" in d:
+            extra = f": checkpoint-{d['checkpoint']} {d['seconds_to_checkpoint']} s after the label"
+        lines.append(f"  {d['disruption']}{extra}")
+    ratio = None
+    if calm["goodput"] and rough["goodput"] and calm["goodput"]["ratio"]:
+        ratio = rough["goodput"]["ratio"] / calm["goodput"]["ratio"]
+    stops = [
+        d["steps_lost"]
+        for d in rough["disruptions"]
+        if "steps_lost" in d and "SIGKILL" not in d["disruption"]
+    ]
+    lines.append("targets:")
+    if stops:
+        verdict = "met" if max(stops) <= TARGET_STEPS_LOST else "NOT met"
+        lines.append(f"  steps lost on SIGTERM (suspend, drain) <= {TARGET_STEPS_LOST}: {stops}, {verdict}")
+    if ratio is not None:
+        verdict = "met" if ratio >= TARGET_GOODPUT_RATIO else "NOT met"
+        lines.append(f"  disrupted goodput >= {TARGET_GOODPUT_RATIO} x undisrupted: {ratio:.3f}x, {verdict}")
+    return lines
+
+
+def plot(results: dict[str, Any], path: Path = PNG) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results["runs"] if r["goodput"]]
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    names = [r["run"] for r in runs]
+    left = [0.0] * len(runs)
+    parts = [("productive", lambda g: g["productiveSeconds"])] + [
+        (k[:-7], lambda g, k=k: g["lost"][k]) for k in LOST
+    ]
+    for label, value in parts:
+        widths = [value(r["goodput"]) for r in runs]
+        ax.barh(names, widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("seconds since creation")
+    ax.set_title("where the wall time of a run went (status.goodput)")
+    ax.legend(ncols=3, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parser() -> argparse.ArgumentParser:
+    parsed = argparse.ArgumentParser(prog="python -m bench goodput")
+    parsed.add_argument("--steps", type=int, default=STEPS, help="training steps of each run")
+    return parsed
