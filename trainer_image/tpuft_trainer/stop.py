@@ -49,7 +49,7 @@ class Channel(Protocol):
         channel) or of this one (an immediate one)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, wait: bool = True) -> None: ...
 
 
 class LocalChannel:
@@ -58,7 +58,7 @@ class LocalChannel:
     def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
         return values
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 
@@ -98,13 +98,16 @@ class GlooChannel:
         self._pending = (self._group.allreduce([tensor], self._options), tensor)
         return agreed
 
-    def close(self) -> None:
-        if self._pending is not None:
-            try:  # every process makes the same number of calls: the last one completes too
+    def close(self, wait: bool = True) -> None:
+        """``wait``: for the last exchange, which completes when every process made the same calls
+        (training ended normally). A process leaving on an error must not wait for peers that may
+        never make that call (up to the timeout): the restart is what they need."""
+        if self._pending is not None and wait:
+            try:
                 self._pending[0].wait()
             except Exception as error:  # a peer already gone: nothing to agree on any more
                 log.debug("stop channel: last exchange did not complete: %s", error)
-            self._pending = None
+        self._pending = None
 
 
 @dataclass(frozen=True)
@@ -188,8 +191,8 @@ class StopCoordinator:
             return Decision(save=True, reason=f"checkpoint request {newest_request}")
         return Decision()
 
-    def close(self) -> None:
-        self.channel.close()
+    def close(self, wait: bool = True) -> None:
+        self.channel.close(wait)
 
 
 def open_channel(

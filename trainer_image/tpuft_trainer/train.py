@@ -156,8 +156,10 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position).
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    finally:
-        stopper.close()
+    except BaseException:
+        stopper.close(wait=False)
+        raise
+    stopper.close()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
     if stopper.decided is not None:
