@@ -159,6 +159,21 @@ class Api:
         except ApiException as error:
             raise _wrap(error, f"updating the status of TPUFineTune {namespace}/{name}") from error
 
+    def may(self, verb: str, resource: str, group: str = "") -> bool:
+        """Whether this identity may ``verb`` ``resource`` cluster-wide (a SelfSubjectAccessReview,
+        which every authenticated identity may create). An API that cannot answer raises: at
+        start-up that is a failed start, retried by the Deployment, not a silent guess."""
+        body = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}},
+        }
+        try:
+            answer = self._call("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body)
+        except ApiException as error:
+            raise _wrap(error, f"asking whether this identity may {verb} {resource}") from error
+        return bool((answer.get("status") or {}).get("allowed"))
+
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         """Merge-patches annotations of a pod (the operator's checkpoint requests, maintenance.py).
         A pod deleted meanwhile (404) needs none."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -101,8 +102,20 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
         kopf_settings.scanning.disabled = True
 
 
-def build_memo(settings: OperatorSettings) -> kopf.Memo:
-    api = Api(load_client(settings.kubeconfig, connections=settings.workers))  # one per worker thread
+def check_node_access(settings: OperatorSettings, api: Api) -> OperatorSettings:
+    """--watch-nodes without the right to list nodes would leave kopf waiting forever for an index it
+    may not fill (and every handler behind it): say so and run without the maintenance signals."""
+    if settings.watch_nodes and not (api.may("list", "nodes") and api.may("watch", "nodes")):
+        log.warning(
+            "--watch-nodes is on but this identity may not list and watch nodes: running without GKE's "
+            "maintenance signals (grant the chart's node read, watchNodes: true, or set "
+            "--watch-nodes=false to silence this)"
+        )
+        return dataclasses.replace(settings, watch_nodes=False)
+    return settings
+
+
+def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
     reconciler = Reconciler(
         api=api,
         status_settle_seconds=settings.status_settle_seconds,
@@ -115,6 +128,8 @@ def build_memo(settings: OperatorSettings) -> kopf.Memo:
 def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None) -> None:
     """Runs the operator until stopped (SIGTERM/SIGINT, or ``stop_flag`` in tests)."""
     logging.getLogger("kopf.objects").addFilter(QuietHandlerSuccess())
+    api = Api(load_client(settings.kubeconfig, connections=settings.workers))  # one per worker thread
+    settings = check_node_access(settings, api)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.bind_address)
     registry = build_registry(settings)
@@ -138,7 +153,7 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
     asyncio.run(
         kopf.operator(
             registry=registry,
-            memo=build_memo(settings),
+            memo=build_memo(settings, api),
             standalone=True,
             clusterwide=not settings.namespaces,
             namespaces=list(settings.namespaces),

@@ -551,6 +551,11 @@ def test_watch_namespaces_grants_rights_only_there_and_the_operator_runs_on_them
             or "at the cluster scope" not in line
         ]
         assert not unexpected, "\n".join(unexpected)
+        # Started with --watch-nodes on (the flag's default) but no node read: it says so and runs
+        # without the maintenance signals rather than waiting for a node index it may not fill.
+        assert "may not list and watch nodes: running without GKE's maintenance signals" in (
+            operator.log_path.read_text(errors="replace")
+        )
     finally:
         if operator is not None:
             operator.stop()
