@@ -23,9 +23,9 @@ from typing import Any, TypeVar, cast
 import kopf
 
 from tpuft_operator import maintenance, metrics
-from tpuft_operator.k8s import ApiError
+from tpuft_operator.k8s import ApiError, controller_uid
 from tpuft_operator.reconcile import Reconciler
-from tpuft_operator.render.jobset import FINETUNE_LABEL
+from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.slim import slim_finetune, slim_jobset, slim_pod
@@ -59,6 +59,22 @@ def _event_sink(body: Mapping[str, Any]) -> Any:
 def _latest(index: kopf.Index[K, Slim], key: K) -> Slim | None:
     store = index.get(key)
     return next(iter(store), None) if store else None
+
+
+def _jobset_of(jobset_index: kopf.Index[Key, Slim], index_key: Key, finetune: Slim) -> Slim | None:
+    """The run's JobSet from the index: the one it controls when two runs' labels collide (a name
+    of 64+ characters is indexed by prefix + hash, which another run may take as its name)."""
+    store = list(jobset_index.get(index_key) or [])
+    uid = finetune["metadata"].get("uid")
+    return next((js for js in store if controller_uid(js) == uid), store[0] if store else None)
+
+
+def _owners(finetune_index: kopf.Index[Key, Slim], namespace: str, labels: Mapping[str, str]) -> list[Slim]:
+    """The run(s) a child's labels point to: by the uid label when the run label is shared."""
+    store = list(finetune_index.get((namespace, labels[FINETUNE_LABEL])) or [])
+    uid = labels.get(FINETUNE_UID_LABEL)
+    exact = [ft for ft in store if uid is not None and ft["metadata"].get("uid") == uid]
+    return exact or store
 
 
 def _needs_jobset(jobset_index: kopf.Index[Key, Slim], index_key: Key) -> bool:
@@ -177,11 +193,12 @@ def reconcile_from_indexes(memo: kopf.Memo, key: Key) -> None:
         return
     finetune_index, jobset_index, pod_index = state.indexes
     index_key = (key[0], label_value(key[1]))
-    finetune = _latest(finetune_index, index_key)
+    store: list[Slim] = list(finetune_index.get(index_key) or [])
+    finetune = next((ft for ft in store if ft["metadata"]["name"] == key[1]), None)
     if finetune is None:
         return  # deleted meanwhile
     logger = kopf.LocalObjectLogger(body=cast(kopf.Body, finetune), settings=state.kopf_settings)
-    _run(memo, finetune, _latest(jobset_index, index_key), pod_index, state.nodes, logger)
+    _run(memo, finetune, _jobset_of(jobset_index, index_key, finetune), pod_index, state.nodes, logger)
 
 
 async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
@@ -195,14 +212,12 @@ async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
             continue
         finetune_index, jobset_index, _ = state.indexes
         for index_key in list(finetune_index):
-            finetune = _latest(finetune_index, index_key)
-            if finetune is None:
-                continue
-            jobset = _latest(jobset_index, index_key)
-            if is_final(finetune, jobset):
-                continue  # (a terminal phase written by hand next to a running JobSet is not final)
-            name = str(finetune["metadata"]["name"])
-            state.queue.add((index_key[0], name), urgent=_needs_jobset(jobset_index, index_key))
+            for finetune in list(finetune_index.get(index_key) or []):  # two, when labels collide
+                jobset = _jobset_of(jobset_index, index_key, finetune)
+                if is_final(finetune, jobset):
+                    continue  # (a terminal phase written by hand next to a running JobSet is not final)
+                name = str(finetune["metadata"]["name"])
+                state.queue.add((index_key[0], name), urgent=jobset is None)
 
 
 def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -246,18 +261,15 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
     async def jobset_event(
         type: str, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any
     ) -> None:
-        owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
-        if owner is None:
-            return
-        key = (str(namespace), str(owner["metadata"]["name"]))
-        if type == "DELETED":
-            memo.reconciler.jobset_deleted(key)
-        memo.dispatch.mark(key, kw, urgent=type == "DELETED")  # a deleted JobSet is recreated
+        for owner in _owners(kw["finetunes"], str(namespace), labels):
+            key = (str(namespace), str(owner["metadata"]["name"]))
+            if type == "DELETED":
+                memo.reconciler.jobset_deleted(key)
+            memo.dispatch.mark(key, kw, urgent=type == "DELETED")  # a deleted JobSet is recreated
 
     @kopf.on.event(*PODS, labels=OWNED, registry=registry)
     async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any) -> None:
-        owner = _latest(kw["finetunes"], (str(namespace), labels[FINETUNE_LABEL]))
-        if owner is not None:
+        for owner in _owners(kw["finetunes"], str(namespace), labels):
             memo.dispatch.mark((str(namespace), str(owner["metadata"]["name"])), kw)
 
     if operator_settings.watch_nodes:
@@ -277,8 +289,7 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
                 state.node_signals.pop(name, None)
             for (namespace, label), pods in kw["pods"].items():
                 if any((pod.get("spec") or {}).get("nodeName") == name for pod in pods):
-                    owner = _latest(kw["finetunes"], (namespace, label))
-                    if owner is not None:
+                    for owner in kw["finetunes"].get((namespace, label)) or []:
                         state.mark((namespace, str(owner["metadata"]["name"])), kw)
 
     @kopf.on.startup(registry=registry)

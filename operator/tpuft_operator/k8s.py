@@ -31,6 +31,29 @@ class ApiError(RuntimeError):
         self.retryable = retryable
 
 
+class NameTaken(Exception):
+    """The name an object of this run needs belongs to an object another run (or no run) controls."""
+
+    def __init__(self, kind: str, namespace: str, name: str, owner: str) -> None:
+        super().__init__(f"{kind} {namespace}/{name} already exists and belongs to {owner}")
+        self.kind, self.name, self.owner = kind, name, owner
+
+
+def controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The uid of the object's controller (its controller ownerReference), if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def describe_controller(obj: Mapping[str, Any]) -> str:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})"
+    return "no TPUFineTune (it has no controller)"
+
+
 def _wrap(error: ApiException, what: str) -> ApiError:
     status = int(error.status or 0)
     reason = error.reason or ""
@@ -109,10 +132,13 @@ class Api:
         return result
 
     def create_or_adopt(self, obj: Obj) -> tuple[dict[str, Any], bool]:
-        """Creates ``obj``; when it already exists, returns the live one (created=False).
+        """Creates ``obj``; when it already exists and has the same controller (the run that owns
+        ``obj``), returns the live one (created=False); when another controls it, raises NameTaken
+        and leaves it alone.
 
         Deterministic names make this idempotent: a retry, a second event or a restarted operator
-        finds the object its earlier attempt made instead of creating a twin.
+        finds the object its earlier attempt made instead of creating a twin. The controller check
+        keeps one run from claiming another's object by naming itself after it.
         """
         kind = obj["kind"]
         namespace = obj["metadata"]["namespace"]
@@ -124,9 +150,12 @@ class Api:
             if error.status != 409:
                 raise _wrap(error, f"creating {kind} {namespace}/{name}") from error
         try:
-            return self._call("GET", resource.path(namespace, name)), False
+            live = self._call("GET", resource.path(namespace, name))
         except ApiException as error:
             raise _wrap(error, f"reading existing {kind} {namespace}/{name}") from error
+        if controller_uid(live) != controller_uid(obj):
+            raise NameTaken(kind, namespace, name, describe_controller(live))
+        return live, False
 
     def ensure(self, obj: Obj) -> bool:
         """Creates ``obj`` unless it exists (True if this call created it). Never reads or changes an

@@ -19,7 +19,7 @@ from typing import Any
 from tpuft_operator import maintenance, metrics
 from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.api.validation import SpecError
-from tpuft_operator.k8s import Api, ApiError
+from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.slim import slim_finetune, slim_jobset
 from tpuft_operator.status import (
@@ -265,6 +265,11 @@ class Reconciler:
         key = (namespace, name)
         finetune = self._freshest(key, finetune)
         jobset = self._known_jobset(key, finetune, jobset)
+        if jobset is not None and controller_uid(jobset) != finetune["metadata"].get("uid"):
+            # Another run's JobSet under this run's label (a hand-made one, or a label collision of
+            # two long names): never act on it. Creating our own then says whose the name is.
+            jobset = None
+        name_taken: str | None = None
         rendered: RenderedRun | None = None
         shape: SliceShape | None = None
         spec_error: tuple[str, str] | None = None
@@ -309,6 +314,12 @@ class Reconciler:
                             )
                         else:
                             log.info("adopted existing JobSet %s", rendered.jobset_name)
+            except NameTaken as taken:
+                name_taken = str(taken)
+                log.warning(
+                    "cannot create the run's objects: %s; the run fails, the other is left alone", taken
+                )
+                event("Warning", "NameTaken", f"{taken}; rename this TPUFineTune")
             except ApiError as error:
                 if error.status not in (400, 422):
                     if not error.retryable:
@@ -342,6 +353,7 @@ class Reconciler:
                 pods=pods,
                 spec_error=spec_error,
                 creation_error=str(creation_error) if creation_error else None,
+                name_taken=name_taken,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,

@@ -36,8 +36,13 @@ def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
+    # Its controller: the one run that may act on it (k8s.controller_uid).
+    owners = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+        "metadata": {
+            **{k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+            **({"ownerReferences": owners} if owners else {}),
+        },
         "spec": {"suspend": (body.get("spec") or {}).get("suspend")},
         "status": body.get("status") or {},
     }

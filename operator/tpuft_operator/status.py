@@ -46,6 +46,8 @@ class Observed:
     spec_error: tuple[str, str] | None = None
     # A retryable API error while creating the run's objects (e.g. the JobSet webhook is down).
     creation_error: str | None = None
+    # An object this run needs exists under another run's control (k8s.NameTaken): the run fails.
+    name_taken: str | None = None
     chips: int | None = None
     hosts: int | None = None
     accelerator: str | None = None
@@ -166,6 +168,12 @@ def _derive_phase(obs: Observed) -> _Derived:
         message = f"{path}: {reason}"
         return _Derived("Failed", "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
     valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
+    if obs.name_taken is not None and not is_final(obs.finetune, None):
+        message = (
+            f"name taken: {obs.name_taken}; nothing of it was touched. Rename this TPUFineTune "
+            "(the name of its JobSet derives from it)"
+        )
+        return _Derived("Failed", "NameTaken", message, {**valid, "Failed": ("True", "NameTaken", message)})
     if is_final(obs.finetune, obs.jobset):
         # Final means final: the phase, message and conditions of a finished run stay as first derived,
         # even when its JobSet or pods are gone later (deleted by someone, GC, namespace deletion) and

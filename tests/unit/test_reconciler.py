@@ -19,6 +19,8 @@ from tpuft_operator.render import RenderSettings
 from tpuft_operator.topology import SliceShape
 
 KEY = ("ns", "run")
+# The controller reference of every JobSet the run of `finetune()` (uid u-1) owns.
+OURS = [{"kind": "TPUFineTune", "name": "run", "uid": "u-1", "controller": True}]
 
 
 class RecordingApi:
@@ -265,7 +267,11 @@ def test_a_lagging_index_never_causes_a_second_create() -> None:
     r, _ = reconciler(api)
     run = new_run()
     r.reconcile(run, None, [], event=Events())
-    created = {"metadata": {"name": "run", "namespace": "ns"}, "spec": {}, "status": {}}
+    created = {
+        "metadata": {"name": "run", "namespace": "ns", "ownerReferences": OURS},
+        "spec": {},
+        "status": {},
+    }
     r.reconcile(run, created, [], event=Events())  # the index has it ...
     r.reconcile(run, None, [], event=Events())  # ... and a lagging copy of the index does not
     assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet")]
@@ -275,7 +281,11 @@ def test_a_jobset_no_status_records_is_adopted_and_said_so(caplog: pytest.LogCap
     """An earlier operator created the JobSet and was killed before writing the run's status."""
     api = RecordingApi()
     r, _ = reconciler(api)
-    created = {"metadata": {"name": "run", "namespace": "ns"}, "spec": {}, "status": {}}
+    created = {
+        "metadata": {"name": "run", "namespace": "ns", "ownerReferences": OURS},
+        "spec": {},
+        "status": {},
+    }
     with caplog.at_level("INFO", logger="tpuft.reconcile"):
         r.reconcile(new_run(), created, [], event=Events())
         r.reconcile(new_run(), created, [], event=Events())  # said once, not at every event
@@ -289,7 +299,11 @@ def test_a_jobset_the_status_records_is_not_called_adopted(caplog: pytest.LogCap
     """A restarted operator continuing a run it had written status for has nothing to say about it."""
     r, _ = reconciler(RecordingApi())
     run = finetune({"phase": "Running", "jobSetName": "run"})
-    created = {"metadata": {"name": "run", "namespace": "ns"}, "spec": {}, "status": {}}
+    created = {
+        "metadata": {"name": "run", "namespace": "ns", "ownerReferences": OURS},
+        "spec": {},
+        "status": {},
+    }
     with caplog.at_level("INFO", logger="tpuft.reconcile"):
         r.reconcile(run, created, running_pods(), event=Events())
     assert not [rec for rec in caplog.records if "adopted" in rec.getMessage()]
@@ -305,3 +319,46 @@ def test_a_new_runs_first_pending_posts_no_event_beyond_jobset_created() -> None
     # Later phase changes are Events as before.
     r.reconcile(finetune({"phase": "Pending", "jobSetName": "run"}), None, running_pods(), event=events)
     assert events.posted == ["JobSetCreated", "Running"]
+
+
+# ---- ownership (issue 13) ---------------------------------------------------------------------------
+def test_a_name_another_run_controls_fails_the_run_and_touches_nothing() -> None:
+    from tpuft_operator.k8s import NameTaken
+
+    api = RecordingApi()
+
+    def taken(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        api.calls.append(("create", obj["kind"]))
+        raise NameTaken("JobSet", "ns", "run", "TPUFineTune victim (uid u-9)")
+
+    api.create_or_adopt = taken  # type: ignore[method-assign]
+    r, _ = reconciler(api)
+    events = Events()
+    r.reconcile(new_run(), None, [], event=events)
+    status = r._written[KEY]["status"]
+    assert status["phase"] == "Failed"
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "NameTaken" and "belongs to TPUFineTune victim" in failed["message"]
+    assert "NameTaken" in events.posted
+    # Final: nothing is tried again.
+    calls = len(api.calls)
+    r.reconcile(r._written[KEY], None, [], event=events)
+    assert len(api.calls) == calls
+
+
+def test_a_jobset_another_run_controls_is_never_suspended_by_this_one() -> None:
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    theirs = {
+        "metadata": {
+            "name": "run",
+            "namespace": "ns",
+            "ownerReferences": [{"kind": "TPUFineTune", "name": "victim", "uid": "u-9", "controller": True}],
+        },
+        "spec": {"suspend": False},
+        "status": {},
+    }
+    attacker = finetune(suspend=True)
+    attacker["metadata"]["resourceVersion"] = "1"
+    r.reconcile(attacker, theirs, [], event=Events())
+    assert ("suspend", "JobSet") not in api.calls and ("resume", "JobSet") not in api.calls

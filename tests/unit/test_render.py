@@ -336,3 +336,17 @@ def test_cli_invalid_input_names_field_and_reason(tmp_path: Any) -> None:
     result = CliRunner().invoke(render_command, ["-f", str(path)])
     assert result.exit_code != 0
     assert "spec.tpu.slices" in result.output and "multislice" in result.output
+
+
+def test_a_long_names_jobset_ends_in_a_hash_of_the_runs_uid() -> None:
+    """Not of the name: a derived name is itself a valid run name, so a hash of the name could be
+    taken by another user's run before or after this one (issue 13); a uid is known to no one."""
+    name = "llama-3.1-8b-sft"
+    a, b = naming.jobset_name(name, "uid-a"), naming.jobset_name(name, "uid-b")
+    assert a != b and a.startswith("llama-3-1-8b-sft-") and b.startswith("llama-3-1-8b-sft-")
+    assert naming.jobset_name(name, "uid-a") == a
+    assert naming.jobset_name(name) not in (a, b)  # `tpuft render -f` (no uid yet): a hash of the name
+    obj = with_spec()
+    obj["metadata"] = {"name": name, "namespace": "ns", "uid": "uid-a"}
+    assert render_run(obj).jobset_name == a
+    assert naming.jobset_name("short-name", "uid-a") == "short-name"  # a name that fits is kept

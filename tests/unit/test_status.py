@@ -35,7 +35,11 @@ def jobset(
     *, suspend: bool = False, conditions: list[dict[str, Any]] | None = None, restarts: int = 0
 ) -> dict[str, Any]:
     return {
-        "metadata": {"name": "run"},
+        # Controlled by the run of `finetune()` (uid u-1), as every JobSet the operator makes.
+        "metadata": {
+            "name": "run",
+            "ownerReferences": [{"kind": "TPUFineTune", "name": "run", "uid": "u-1", "controller": True}],
+        },
         "spec": {"suspend": suspend},
         "status": {"conditions": conditions or [], "restarts": restarts},
     }

@@ -12,7 +12,6 @@ from typing import Any
 
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, parse, validate
-from tpuft_operator.render import naming
 from tpuft_operator.render.identity import namespace_objects, run_objects
 from tpuft_operator.render.jobset import jobset
 from tpuft_operator.render.settings import RenderSettings
@@ -66,8 +65,3 @@ def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None
         shape=shape,
         identity=tuple(run_objects(ft)),
     )
-
-
-def jobset_name(finetune_name: str) -> str:
-    """The name of the JobSet of the TPUFineTune ``finetune_name`` (for the operator's lookups)."""
-    return naming.jobset_name(finetune_name)

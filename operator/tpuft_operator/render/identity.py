@@ -68,7 +68,7 @@ def run_objects(ft: TPUFineTune) -> list[Obj]:
     account = ft.spec.service_account_name
     if account is None:
         return []
-    name = naming.progress_identity_name(ft.metadata.name)
+    name = naming.progress_identity_name(ft.metadata.name, ft.metadata.uid)
     metadata = object_metadata(ft, name, {**common_labels(ft), "tpuft.dev/component": "progress"}, {})
     return [_binding(metadata, account, ft.metadata.namespace)]
 

@@ -313,7 +313,7 @@ def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
 def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: RenderSettings) -> Obj:
     """The run's JobSet; ``config_yaml`` is the trainer config its pods read (trainer_config.py)."""
     spec = ft.spec
-    name = naming.jobset_name(ft.metadata.name)
+    name = naming.jobset_name(ft.metadata.name, ft.metadata.uid)
     labels = common_labels(ft)
     annotations: dict[str, str] = {}
     if spec.queue_name is not None:

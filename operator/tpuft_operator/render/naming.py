@@ -1,7 +1,10 @@
 """Names of the objects a TPUFineTune owns: deterministic, valid, and short enough for every child.
 
 The JobSet name is the TPUFineTune's name when it already fits, else a readable prefix plus a hash of
-the full name (so two long names that share a prefix never collide). It must fit because JobSet
+the run's uid (of the full name before there is one, as in `tpuft render -f`). Not of the name:
+a derived name is itself a valid run name, and another user who created a run of exactly that name
+(before or after) would own the JobSet name this run needs; a uid is known to no one in advance.
+The operator checks ownership anyway (k8s.py: it never adopts an object another run controls). It must fit because JobSet
 derives names from it: pods are ``<jobset>-slice-<slice>-<host>-<5 random chars>`` and pod hostnames
 ``<jobset>-slice-<slice>-<host>``, all DNS-1035 labels of at most 63 characters (the JobSet webhook
 rejects a JobSet whose longest pod name would not fit).
@@ -26,8 +29,9 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:_HASH_CHARS]
 
 
-def short_name(name: str, limit: int) -> str:
-    """``name`` if it is a DNS-1035 label of at most ``limit`` characters, else prefix + hash."""
+def short_name(name: str, limit: int, key: str | None = None) -> str:
+    """``name`` if it is a DNS-1035 label of at most ``limit`` characters, else prefix + hash of
+    ``key`` (default: of ``name``)."""
     if len(name) <= limit and _DNS_1035.match(name):
         return name
     prefix = re.sub(r"[^a-z0-9-]", "-", name.lower())
@@ -35,11 +39,11 @@ def short_name(name: str, limit: int) -> str:
     if not prefix or not prefix[0].isalpha():
         prefix = "ft-" + prefix
     prefix = prefix[: limit - _HASH_CHARS - 1].rstrip("-")
-    return f"{prefix}-{_digest(name)}"
+    return f"{prefix}-{_digest(key or name)}"
 
 
-def jobset_name(finetune_name: str) -> str:
-    return short_name(finetune_name, MAX_JOBSET_NAME)
+def jobset_name(finetune_name: str, uid: str | None = None) -> str:
+    return short_name(finetune_name, MAX_JOBSET_NAME, key=uid)
 
 
 def label_value(text: str) -> str:
@@ -54,9 +58,9 @@ def coordinator_address(jobset: str) -> str:
     return f"{jobset}-{REPLICATED_JOB}-0-0.{jobset}"
 
 
-def progress_identity_name(finetune_name: str) -> str:
+def progress_identity_name(finetune_name: str, uid: str | None = None) -> str:
     """The RoleBinding that lets a user-named pod ServiceAccount report progress (render/identity.py)."""
-    return f"{jobset_name(finetune_name)}-progress"
+    return f"{jobset_name(finetune_name, uid)}-progress"
 
 
 def pod_service_account(user_service_account: str | None) -> str:

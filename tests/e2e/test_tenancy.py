@@ -1,0 +1,120 @@
+"""Multi-tenant safety (issue 13): a TPUFineTune must not be a way to act on another user's run.
+
+Through the operator as the chart installs it, on the local cluster (kwok TPU pods):
+- the takeover: a run named after another run's JobSet (a long or dotted name becomes a prefix plus a
+  hash, itself a valid run name) fails with NameTaken and never suspends the victim's pods;
+- the squat: a run created first under the name a later run's JobSet would have had under the old
+  naming (a hash of the name) takes nothing from it: long names now end in a hash of the run's uid,
+  which no one knows in advance.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import unique
+from tests.e2e.conftest import OperatorProcess
+from tests.support import condition, finetune, get_json, wait_for
+from tpuft_operator.cluster import kwok
+from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.render import naming
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+VICTIM = "llama-3.1-8b-sft"  # a dot: its JobSet name is derived (prefix + hash)
+
+
+def run(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    return finetune(
+        name,
+        namespace,
+        tpu={"type": "v5p", "topology": "2x2x1"},
+        pod_annotations=kwok.hold_running("600s"),
+        **spec,
+    )
+
+
+def status_of(cluster: LocalCluster, name: str, namespace: str) -> dict[str, Any]:
+    return dict(get_json(cluster, "tpuft", name, "-n", namespace).get("status") or {})
+
+
+def running(cluster: LocalCluster, name: str, namespace: str) -> dict[str, Any]:
+    return wait_for(
+        lambda: (s := status_of(cluster, name, namespace)) and s.get("phase") == "Running" and s,
+        timeout=120,
+        what=f"{name} to be Running",
+    )
+
+
+def test_a_run_named_after_another_runs_jobset_cannot_take_it_over(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    local_cluster.add_nodepool("v5p", "2x2x1", slices=2, prefix=unique("tenancy"))
+    local_cluster.apply([run(VICTIM, namespace)])
+    victim = running(local_cluster, VICTIM, namespace)
+    jobset_name = victim["jobSetName"]
+    assert jobset_name != VICTIM and jobset_name.startswith("llama-3-1-8b-sft-")
+    pods_before = {
+        p["metadata"]["uid"]
+        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", f"tpuft.dev/finetune={VICTIM}")[
+            "items"
+        ]
+    }
+    # The attacker: allowed to create TPUFineTunes, names one after the victim's JobSet, suspended.
+    local_cluster.apply([run(jobset_name, namespace, suspend=True)])
+    attacker = wait_for(
+        lambda: (s := status_of(local_cluster, jobset_name, namespace)) and s.get("phase") == "Failed" and s,
+        timeout=60,
+        what="the attacker to fail",
+    )
+    failed = condition({"status": attacker}, "Failed")
+    assert failed is not None and failed["reason"] == "NameTaken", attacker
+    assert (
+        f"JobSet {namespace}/{jobset_name} already exists and belongs to TPUFineTune {VICTIM}"
+        in failed["message"]
+    )
+    assert "jobSetName" not in attacker
+    events = get_json(
+        local_cluster,
+        "events",
+        "-n",
+        namespace,
+        f"--field-selector=involvedObject.name={jobset_name},reason=NameTaken",
+    )["items"]
+    assert len(events) == 1, events
+    # Several resyncs later (5 s each here) the victim's JobSet was never suspended, its pods never
+    # replaced, and it is still the victim's.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        jobset = get_json(local_cluster, "jobset", jobset_name, "-n", namespace)
+        assert not jobset["spec"].get("suspend"), "the attacker suspended the victim's JobSet"
+        time.sleep(2)
+    pods_after = {
+        p["metadata"]["uid"]
+        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", f"tpuft.dev/finetune={VICTIM}")[
+            "items"
+        ]
+    }
+    assert pods_after == pods_before
+    assert status_of(local_cluster, VICTIM, namespace)["phase"] == "Running"
+    assert status_of(local_cluster, VICTIM, namespace)["jobSetName"] == jobset_name
+
+
+def test_a_run_created_first_under_a_later_runs_old_jobset_name_squats_nothing(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    local_cluster.add_nodepool("v5p", "2x2x1", slices=2, prefix=unique("squat"))
+    squatter = naming.jobset_name(VICTIM)  # what the victim's JobSet was called before (hash of the name)
+    local_cluster.apply([run(squatter, namespace)])
+    running(local_cluster, squatter, namespace)
+    local_cluster.apply([run(VICTIM, namespace)])
+    victim = running(local_cluster, VICTIM, namespace)
+    assert victim["jobSetName"] != squatter
+    (owner,) = get_json(local_cluster, "jobset", victim["jobSetName"], "-n", namespace)["metadata"][
+        "ownerReferences"
+    ]
+    assert owner["name"] == VICTIM
+    assert status_of(local_cluster, squatter, namespace)["jobSetName"] == squatter
