@@ -60,3 +60,21 @@ def finetune(
     if pod_annotations:
         body["spec"]["podAnnotations"] = pod_annotations
     return body
+
+
+def patch_status_as(kubeconfig: Any, namespace: str, name: str, body: dict[str, Any]) -> tuple[int, str]:
+    """Merge-patches a TPUFineTune's status with the credentials in ``kubeconfig``, as the trainer's
+    reporter does (one PATCH, no GET first: `kubectl patch` reads the object before it patches, which
+    the progress identity may not). Returns (HTTP status, the error body or "")."""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(kubeconfig)))
+    try:
+        api.patch_namespaced_custom_object_status(
+            "tpuft.dev", "v1alpha1", namespace, "tpufinetunes", name, body,
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+    except ApiException as error:
+        return int(error.status), str(error.body)
+    return 200, ""

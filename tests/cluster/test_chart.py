@@ -30,7 +30,7 @@ CHART = ROOT / "charts" / "tpuft"
 # `kubectl auth can-i --list` reports it. A change to the chart's rules must change this too.
 NAMESPACED = {
     "tpufinetunes.tpuft.dev": {"list", "watch"},
-    "tpufinetunes.tpuft.dev/status": {"get", "patch"},
+    "tpufinetunes.tpuft.dev/status": {"get", "patch", "operate"},
     "jobsets.jobset.x-k8s.io": {"get", "list", "watch", "create", "patch"},
     "pods": {"list", "watch", "patch"},  # patch: only the checkpoint-request annotation (maintenance)
     "serviceaccounts": {"get", "create"},

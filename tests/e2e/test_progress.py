@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
-from tests.support import get_json, wait_for
+from tests.support import get_json, patch_status_as, wait_for
 from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.demo import build_assets
@@ -98,35 +98,17 @@ def test_progress_from_a_real_training_run_reaches_status(
             pod=(pod["metadata"]["name"], pod["metadata"]["uid"]),
         )
     )
-    patch = '{"status":{"progress":{"step":1}}}'
-    own = local_cluster.kubectl(
-        "patch",
-        "tpuft",
-        "tiny",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        patch,
-        kubeconfig=config,
-        check=False,
-    )
-    assert own.returncode == 0, own.stderr
-    other = local_cluster.kubectl(
-        "patch",
-        "tpuft",
-        "other",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        patch,
-        kubeconfig=config,
-        check=False,
-    )
-    assert other.returncode != 0 and "forbidden" in other.stderr.lower()
+    # The reporter's own call (a merge PATCH of the status, no GET: the progress Role grants no get).
+    patch = {"status": {"progress": {"step": 1}}}
+    code, message = patch_status_as(config, namespace, "tiny", patch)
+    assert code == 200, message
+    code, message = patch_status_as(config, namespace, "other", patch)
+    assert code == 403 and "a pod may report progress only for its own run" in message, message
+    for target in ("tiny", "other"):  # and reads no run back, its own included
+        read = local_cluster.kubectl(
+            "get", "tpuft", target, "-n", namespace, "--subresource=status", kubeconfig=config, check=False
+        )
+        assert read.returncode != 0 and "forbidden" in read.stderr.lower(), read.stderr
     spec = local_cluster.kubectl(
         "patch",
         "tpuft",

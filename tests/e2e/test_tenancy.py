@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
-from tests.support import condition, finetune, get_json, wait_for
+from tests.support import condition, finetune, get_json, patch_status_as, wait_for
 from tpuft_operator.cluster import kwok
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.render import naming
@@ -118,3 +118,64 @@ def test_a_run_created_first_under_a_later_runs_old_jobset_name_squats_nothing(
     ]
     assert owner["name"] == VICTIM
     assert status_of(local_cluster, squatter, namespace)["jobSetName"] == squatter
+
+
+def test_an_account_that_may_list_runs_is_not_exempt_from_the_progress_rules(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Any
+) -> None:
+    """A CI account that may list TPUFineTunes, named as a run's serviceAccountName, gets the progress
+    Role bound; its tokens that are not bound to one of the run's pods may still write no status."""
+    local_cluster.add_nodepool("v5p", "2x2x1", slices=2, prefix=unique("ci"))
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "ci-reader", "namespace": namespace},
+        "rules": [
+            {"apiGroups": ["tpuft.dev"], "resources": ["tpufinetunes"], "verbs": ["get", "list", "watch"]}
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "ci-reader", "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "ci-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "ci", "namespace": namespace}],
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "ci", "namespace": namespace},
+    }
+    local_cluster.apply([account, role, binding])
+    local_cluster.apply([run("ci-run", namespace, serviceAccountName="ci"), run("other", namespace)])
+    running(local_cluster, "ci-run", namespace)
+    running(local_cluster, "other", namespace)
+    config = tmp_path / "ci.kubeconfig"
+    config.write_text(local_cluster.service_account_kubeconfig(namespace, "ci"))  # not bound to a pod
+    for target in ("other", "ci-run"):
+        code, message = patch_status_as(config, namespace, target, {"status": {"phase": "Succeeded"}})
+        assert code == 403, f"the CI account rewrote {target}'s phase"
+        assert "only the operator, administrators and the pods of a run" in message, message
+    assert status_of(local_cluster, "other", namespace)["phase"] == "Running"
+    # A trainer pod's own token reads no run back (the progress Role has no get).
+    (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", "tpuft.dev/finetune=other")["items"]
+    pod_config = tmp_path / "pod.kubeconfig"
+    pod_config.write_text(
+        local_cluster.service_account_kubeconfig(
+            namespace,
+            pod["spec"]["serviceAccountName"],
+            pod=(pod["metadata"]["name"], pod["metadata"]["uid"]),
+        )
+    )
+    for target in ("other", "ci-run"):
+        read = local_cluster.kubectl(
+            "get",
+            "tpuft",
+            target,
+            "-n",
+            namespace,
+            "--subresource=status",
+            kubeconfig=pod_config,
+            check=False,
+        )
+        assert read.returncode != 0 and "forbidden" in read.stderr.lower(), read.stderr

@@ -18,11 +18,12 @@ def test_runs_have_no_rbac_objects_of_their_own_and_pods_use_the_namespace_accou
     assert run.namespace_objects == namespace_objects("ns")
 
 
-def test_the_namespace_role_allows_only_get_and_patch_of_status() -> None:
+def test_the_namespace_role_allows_only_patch_of_status() -> None:
     account, role, binding = namespace_objects("ns")
     assert account["metadata"]["name"] == naming.TRAINER_SERVICE_ACCOUNT
+    # No get: a status GET returns the whole object, and the reporter only patches.
     assert role["rules"] == [
-        {"apiGroups": ["tpuft.dev"], "resources": ["tpufinetunes/status"], "verbs": ["get", "patch"]}
+        {"apiGroups": ["tpuft.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]}
     ]
     assert binding["roleRef"]["name"] == PROGRESS_ROLE
     assert binding["subjects"] == [
@@ -47,7 +48,10 @@ def test_the_policy_freezes_every_status_field_but_progress() -> None:
     for name, field in TPUFineTuneStatus.model_fields.items():
         alias = field.alias or name
         assert (f"object.status.{alias} ==" in frozen) == (alias != "progress"), alias
-    assert "check('list')" in policy["spec"]["matchConditions"][0]["expression"]
+    exempt = policy["spec"]["matchConditions"][0]["expression"]
+    assert (
+        "subresource('status')" in exempt and "check('operate')" in exempt and "check('list')" not in exempt
+    )
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
 
 

@@ -6,16 +6,19 @@ pod's name to the request's user info, and the token stops working when the pod 
 parts keep the channel to its one purpose:
 
 - RBAC, once per namespace (`namespace_objects`): the ServiceAccount ``tpuft-trainer`` that trainer
-  pods run as, and a Role + RoleBinding that let it ``get``/``patch`` ``tpufinetunes/status`` in the
-  namespace. Created by the operator the first time it sees a run in the namespace, then never again:
+  pods run as, and a Role + RoleBinding that let it ``patch`` ``tpufinetunes/status`` in the
+  namespace (no ``get``: a status GET returns the whole object, spec included, and the reporter
+  only patches; the policy below stops a patch of any run but the pod's own). Created by the operator the first time it sees a run in the namespace, then never again:
   no RBAC objects per run, so a run costs three writes to reach Running (JobSet, Pending, Running),
   and Role creates, slow because the apiserver checks them for privilege escalation, happen once per
   namespace.
 - A ValidatingAdmissionPolicy (the chart's ``progress-policy.yaml``, generated from the status model
-  by `progress_policy`): a caller who may not list TPUFineTunes (anyone but the operator and
-  administrators) may change a TPUFineTune's status only from a pod of that run's JobSet, and only
-  ``status.progress``. Tokens not bound to a pod are refused. So a pod can neither report for
-  another run nor mark its own run Succeeded.
+  by `progress_policy`): a caller without the ``operate`` permission on ``tpufinetunes/status``
+  (which only the chart's operator role and wildcard administrators hold) may change a
+  TPUFineTune's status only from a pod of that run's JobSet, and only ``status.progress``. Tokens
+  not bound to a pod are refused. So a pod can neither report for another run nor mark its own run
+  Succeeded, and an account that merely may list runs (a CI account named as a run's
+  serviceAccountName, say) is not exempt.
 
 When the user sets ``spec.serviceAccountName`` (Workload Identity for GCS), pods run as that account;
 one RoleBinding per run (owned by it, deleted with it) binds the namespace Role to that account.
@@ -37,6 +40,8 @@ PROGRESS_ROLE = "tpuft-progress"
 SHARED_LABELS = {"app.kubernetes.io/managed-by": "tpuft", "tpuft.dev/component": "progress"}
 POLICY_NAME = "tpuft-progress"
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+# The permission that exempts a caller from the progress policy: only the operator's role has it.
+OPERATE_VERB = "operate"
 
 
 def namespace_objects(namespace: str) -> list[Obj]:
@@ -55,7 +60,7 @@ def namespace_objects(namespace: str) -> list[Obj]:
                 {
                     "apiGroups": ["tpuft.dev"],
                     "resources": ["tpufinetunes/status"],
-                    "verbs": ["get", "patch"],
+                    "verbs": ["patch"],
                 }
             ],
         },
@@ -94,8 +99,11 @@ def _status_fields_except_progress() -> list[str]:
 def progress_policy(name: str = POLICY_NAME) -> list[Obj]:
     """The ValidatingAdmissionPolicy and its binding (see the module docstring).
 
-    Exempt are callers who may list TPUFineTunes in the run's namespace: the operator (whichever
-    release, in whichever namespace) and administrators; trainer pods may not. The JobSet name comes
+    Exempt are callers who hold the ``operate`` verb on ``tpufinetunes/status`` in the run's
+    namespace: a permission that means "is a tpuft operator", held by the chart's operator role of
+    every release (so several namespaced releases each see their own operator exempt) and by
+    wildcard administrators; not by anyone who merely may list or patch runs. Not a username: the
+    policy of one release would then refuse the operator of another. The JobSet name comes
     from the status the operator wrote (``status.jobSetName``): it is the run's name when that fits,
     else a hash, which CEL cannot compute. Pods are named ``<jobset>-slice-<slice>-<host>-<5 random>``.
     """
@@ -126,8 +134,8 @@ def progress_policy(name: str = POLICY_NAME) -> list[Obj]:
             "matchConditions": [
                 {
                     "name": "not-the-operator-or-an-administrator",
-                    "expression": "!authorizer.group('tpuft.dev').resource('tpufinetunes')"
-                    ".namespace(object.metadata.namespace).check('list').allowed()",
+                    "expression": "!authorizer.group('tpuft.dev').resource('tpufinetunes').subresource('status')"
+                    f".namespace(object.metadata.namespace).check('{OPERATE_VERB}').allowed()",
                 }
             ],
             "variables": [
