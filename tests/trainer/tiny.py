@@ -94,6 +94,13 @@ def write_jsonl(path: Path, n: int = 64, *, chat: bool = False, field: str = "te
     return path
 
 
+def text_dataset(n: int = 64) -> Any:
+    """A datasets.Dataset with one ``text`` column (what optimum-tpu's tutorials start from)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"text": texts(n)})
+
+
 def token_dataset(seq_len: int = 32, n: int = 64) -> Any:
     """A datasets.Dataset of fixed-length input_ids/labels for the stock-Trainer tests."""
     from datasets import Dataset

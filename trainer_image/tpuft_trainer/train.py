@@ -104,10 +104,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
-        model,
-        config.fsdp.layer_cls_to_wrap,
-        gradient_checkpointing=config.fsdp.gradient_checkpointing,
-        optim=OPTIMIZERS[training.optimizer],
+        model, config.fsdp.layer_cls_to_wrap, gradient_checkpointing=config.fsdp.gradient_checkpointing
     )
     trainer = _build_trainer(config, model, tokenizer, dataset, output, global_batch, fsdp_args)
     total_steps = (
@@ -174,6 +171,7 @@ def _build_trainer(
         # Under SPMD one process feeds the whole mesh: the Trainer's "per device" batch is the global one.
         per_device_train_batch_size=global_batch,
         learning_rate=training.learning_rate,
+        optim=OPTIMIZERS[training.optimizer],
         logging_steps=training.logging_steps,
         save_strategy="steps" if training.save_steps else "no",
         save_steps=training.save_steps or 500,
