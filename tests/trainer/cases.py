@@ -276,6 +276,9 @@ def compat_needed() -> dict[str, Any]:
         return f"mesh={current}"
 
     attempt("mesh_wins", mesh_after_init)
+    from recipe_cases import packing_forward_transfers
+
+    attempt("packed_mask_on_device", packing_forward_transfers)
     xs.set_global_mesh(None)
 
     # Without XLA's training defaults, the optimum-style call trains with the Trainer's fused AdamW, and

@@ -303,7 +303,34 @@ def _sft_config_class() -> Any:
     return SFTConfig
 
 
-# ---- 7. our mesh wins over the Trainer's ---------------------------------------------------------
+# ---- 7. packed rows without a host sync --------------------------------------------------------
+def _masking_module() -> Any:
+    import transformers.masking_utils
+
+    return transformers.masking_utils
+
+
+def _packed_indices_on_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        # transformers tests on the host whether the rows are packed at all ("(mask[:, -1] == 0).all()")
+        # unless it is tracing; an XLA tensor is not "tracing" to it, so every forward waited for the
+        # device. The check only saves a mask when nothing is packed: on XLA the mask is always returned
+        # (transformers' tracing path), which is also right for unpacked rows.
+        if getattr(position_ids, "device", None) is None or position_ids.device.type != "xla":
+            return original(position_ids)
+        module = _masking_module()
+        host_check = module.is_tracing
+        module.is_tracing = lambda tensor=None: True
+        try:
+            return original(position_ids)
+        finally:
+            module.is_tracing = host_check
+
+    return find_packed_sequence_indices
+
+
+# ---- 8. our mesh wins over the Trainer's ---------------------------------------------------------
 def _reinstall_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -365,6 +392,14 @@ PATCHES: list[Patch] = [
         _sft_config_class,
         "__init__",
         _fill_xla_defaults,
+    ),
+    Patch(
+        "packed_mask_on_device",
+        "every forward of packed rows (position ids, no attention mask) copies a tensor to the host to "
+        "decide whether they are packed (masking_utils.find_packed_sequence_indices): a device sync per step",
+        _masking_module,
+        "find_packed_sequence_indices",
+        _packed_indices_on_device,
     ),
     Patch(
         "mesh_wins",
