@@ -187,3 +187,32 @@ def test_packing_refuses_an_unverified_family() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
     refusal = packing.packing_refusal(model)
     assert refusal is not None and "'gpt2' is not one of them" in refusal and "packing: false" in refusal
+
+
+def test_recipe_arguments_are_transformers_own() -> None:
+    from transformers import TrainingArguments
+
+    from tpuft_trainer import recipe
+    from tpuft_trainer.config import TrainingConfig
+
+    training = TrainingConfig(max_steps=100, lr_scheduler="constant", warmup_ratio=0.1, eval_steps=25)
+    arguments = recipe.training_arguments(training, global_batch=32, evaluates=True)
+    args = TrainingArguments(output_dir="/tmp/unused", **arguments)
+    assert args.lr_scheduler_type.value == "constant_with_warmup" and args.get_warmup_steps(100) == 10
+    assert (args.eval_strategy.value, args.eval_steps, args.per_device_eval_batch_size) == ("steps", 25, 32)
+    assert args.prediction_loss_only
+    assert recipe.training_arguments(training, global_batch=32, evaluates=False).get("eval_strategy") is None
+    assert recipe.needs_final_evaluation(25, 90) and not recipe.needs_final_evaluation(25, 100)
+    assert recipe.needs_final_evaluation(None, 100)
+
+
+def test_model_flops_count_weights_not_the_lookup() -> None:
+    from tpuft_trainer.throughput import mfu, model_flops
+
+    model = tiny.model("llama")
+    flops = model_flops(model)
+    embedding = tiny.VOCAB_SIZE * 64
+    assert flops.trainable_matmul_params == sum(p.numel() for p in model.parameters()) - embedding
+    assert flops.per_token(32) == 6 * flops.trainable_matmul_params + 12 * 2 * 64 * 32
+    assert mfu(1000.0, 2e9, chips=4, peak_per_chip=1e12) == 0.5
+    assert mfu(None, 2e9, chips=4, peak_per_chip=1e12) is None and mfu(1.0, 1.0, 4, None) is None

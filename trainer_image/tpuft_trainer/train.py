@@ -6,6 +6,7 @@ program over all the devices, and only rank 0 writes files that are shared (the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ class RunRecord:
     learning_rates: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     tokens_per_second: float | None = None  # from the end of the first step (compilation) to the last
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step after the first
     flops_per_token: float = 0.0  # model FLOPs, throughput.py
     mfu: float | None = None  # an estimate: see throughput.py
 
@@ -172,6 +174,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     steps = observer.step_times
     record.tokens = len(steps) * tokens_per_step
     record.loss_tokens = loss_tokens()
+    record.step_seconds = [round(b - a, 4) for a, b in itertools.pairwise(steps)]
     if len(steps) > 1:
         record.tokens_per_second = round((len(steps) - 1) * tokens_per_step / (steps[-1] - steps[0]), 1)
     record.flops_per_token = flops.per_token(training.max_seq_length)
