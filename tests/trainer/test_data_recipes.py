@@ -216,3 +216,16 @@ def test_model_flops_count_weights_not_the_lookup() -> None:
     assert flops.per_token(32) == 6 * flops.trainable_matmul_params + 12 * 2 * 64 * 32
     assert mfu(1000.0, 2e9, chips=4, peak_per_chip=1e12) == 0.5
     assert mfu(None, 2e9, chips=4, peak_per_chip=1e12) is None and mfu(1.0, 1.0, 4, None) is None
+
+
+def test_rows_without_a_target_are_dropped_and_none_is_an_error(tmp_path: Path) -> None:
+    tok = tiny.tokenizer()
+    source = chat_source(tmp_path)
+    rows = data.load_rows(source)
+    # 40 positions: every question is longer, so no assistant token is left in any row
+    with pytest.raises(DataError, match=r"none of its 32 rows has a token to learn within 40.*maxSeqLength"):
+        data.tokenize(rows, tok, source, 40, 8)
+    mixed = tiny.long_question_chats(16) + tiny.long_question_chats(16, question_words=2)
+    path = tiny.write_rows(tmp_path / "mixed.jsonl", mixed)
+    kept = data.tokenize(data.load_rows(DatasetSource(name=str(path), format="chat")), tok, source, 60, 8)
+    assert len(kept) == 16  # only the short questions leave room for their answers

@@ -216,7 +216,7 @@ def tokenize(
     (``input_ids``/``position_ids``/``labels``), see packing.py."""
     import datasets
 
-    docs = documents(rows, tokenizer, source, max_length)
+    docs = _with_a_target(documents(rows, tokenizer, source, max_length), source, max_length, what)
     pad_id = tokenizer.pad_token_id
     if source.packing:
         as_documents = [
@@ -240,6 +240,29 @@ def tokenize(
             "every batch must be full (drop_last)"
         )
     return tokenized
+
+
+def _with_a_target(docs: Any, source: DatasetSource, max_length: int, what: str) -> Any:
+    """The documents with at least one label to learn (beyond their first token, which nothing
+    predicts). The others add nothing but padding, and a batch of only such rows has a loss of 0/0
+    (NaN): with assistant-only loss, a conversation cut at max_seq_length before the assistant speaks."""
+    kept = docs.filter(
+        lambda row: any(label != IGNORE for label in row["labels"][1:]), desc="dropping rows without a target"
+    )
+    dropped = len(docs) - len(kept)
+    cause = (
+        "the assistant's turns fall beyond training.maxSeqLength"
+        if source.trains_on_assistant_only
+        else "they are empty or one token long"
+    )
+    if dropped and not len(kept):
+        raise DataError(
+            f"{what} {source.name}: none of its {len(docs)} rows has a token to learn within "
+            f"{max_length} positions ({cause}); raise training.maxSeqLength"
+        )
+    if dropped:
+        log.warning("%s %s: %d of %d rows dropped: %s", what, source.name, dropped, len(docs), cause)
+    return kept
 
 
 @dataclass(frozen=True)

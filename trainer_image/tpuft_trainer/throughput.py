@@ -16,7 +16,6 @@ no MFU. It is an estimate, as everywhere it is quoted:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,21 +59,27 @@ def mfu(
     return tokens_per_second * flops_per_token / (chips * peak_per_chip)
 
 
-def count_loss_tokens(trainer: Any) -> Callable[[], int | None]:
-    """Counts the positions that count in the loss over the steps ``trainer`` runs, exactly: the
-    Trainer already counts them per optimizer step on the device (``num_items_in_batch``, the loss's
-    denominator); they are summed there and read once, at the end, so no step waits for the host.
-    Returns the reader (None when the model takes no such count)."""
-    count = getattr(trainer, "_get_num_items_in_batch", None)
-    if count is None:
-        return lambda: None
-    total: list[Any] = []
+class TokenCounter:
+    """Counts, for every optimizer step ``trainer`` trains, the positions it processed and the ones that
+    count in the loss, exactly. Positions are shapes, known on the host. Loss tokens the Trainer
+    already counts on the device (``num_items_in_batch``, the loss's denominator, in
+    ``get_batch_samples``: training only; evaluation counts elsewhere); they are summed there and read
+    once, at the end, so no step waits for the host. (A step's micro-batches are fewer at an epoch's
+    end, so positions are counted rather than assumed.)"""
 
-    def counting(batch_samples: Any, device: Any) -> Any:
-        items = count(batch_samples, device)
+    def __init__(self, trainer: Any) -> None:
+        self.positions: list[int] = []  # per optimizer step
+        self._loss_tokens: Any = None
+        self._draw = trainer.get_batch_samples
+        trainer.get_batch_samples = self._counting
+
+    def _counting(self, *args: Any, **kwargs: Any) -> Any:
+        batch_samples, items = self._draw(*args, **kwargs)
+        self.positions.append(sum(int(batch["input_ids"].numel()) for batch in batch_samples))
         if items is not None:
-            total[:] = [items if not total else total[0] + items]
-        return items
+            self._loss_tokens = items if self._loss_tokens is None else self._loss_tokens + items
+        return batch_samples, items
 
-    trainer._get_num_items_in_batch = counting
-    return lambda: round(float(total[0])) if total else None
+    def loss_tokens(self) -> int | None:
+        """None when the model takes no count (then the Trainer computes none)."""
+        return None if self._loss_tokens is None else round(float(self._loss_tokens))

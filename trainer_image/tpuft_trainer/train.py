@@ -118,23 +118,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         model = _add_lora(model, config)
     flops = throughput.model_flops(model)
     global_batch = training.per_device_batch_size * shape.batch_ways
-    train_rows, eval_rows = evaluation.split(data.load_rows(config.dataset), config.dataset, training.seed)
-    dataset = data.tokenize(train_rows, tokenizer, config.dataset, training.max_seq_length, global_batch)
-    eval_dataset = None
-    if eval_rows is not None:
-        eval_dataset = data.tokenize(
-            eval_rows, tokenizer, config.dataset, training.max_seq_length, global_batch, what="evaluation set"
-        )
-    rows = data.figures(dataset)
-    record.loss_token_share = round(rows.loss_share, 4)
-    log.info(
-        "%d training rows of %d positions (%s); %.1f%% of the positions count in the loss%s",
-        rows.rows,
-        training.max_seq_length,
-        "packed" if config.dataset.packing else "padded",
-        100 * rows.loss_share,
-        f"; {len(eval_dataset)} evaluation rows" if eval_dataset is not None else "",
-    )
+    dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
@@ -155,7 +139,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero))
     observer = _observer(record, config, env, is_rank_zero)
     trainer.add_callback(observer)
-    loss_tokens = throughput.count_loss_tokens(trainer)
+    counter = throughput.TokenCounter(trainer)
 
     # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position), and
     # evaluate at the end unless the last step just did.
@@ -171,13 +155,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         _save_merged(config, location, output)
     record.final_step = int(trainer.state.global_step)
     record.seconds = round(time.monotonic() - started, 2)
-    steps = observer.step_times
-    record.tokens = len(steps) * tokens_per_step
-    record.loss_tokens = loss_tokens()
-    record.step_seconds = [round(b - a, 4) for a, b in itertools.pairwise(steps)]
-    if len(steps) > 1:
-        record.tokens_per_second = round((len(steps) - 1) * tokens_per_step / (steps[-1] - steps[0]), 1)
-    record.flops_per_token = flops.per_token(training.max_seq_length)
+    _throughput(record, observer.step_times, counter, flops.per_token(training.max_seq_length))
     record.mfu = throughput.mfu(
         record.tokens_per_second, record.flops_per_token, devices, config.world.peak_flops_per_chip
     )
@@ -185,6 +163,43 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         (output / METRICS_FILE).write_text(json.dumps(asdict(record), indent=1, sort_keys=True))
         storage.upload(output, config.output.uri)
     return record
+
+
+def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord) -> tuple[Any, Any]:
+    """Training rows and evaluation rows (or None), tokenised to fixed-length rows, padded or packed."""
+    training = config.training
+    train_rows, eval_rows = evaluation.split(data.load_rows(config.dataset), config.dataset, training.seed)
+    dataset = data.tokenize(train_rows, tokenizer, config.dataset, training.max_seq_length, global_batch)
+    eval_dataset = None
+    if eval_rows is not None:
+        eval_dataset = data.tokenize(
+            eval_rows, tokenizer, config.dataset, training.max_seq_length, global_batch, what="evaluation set"
+        )
+    rows = data.figures(dataset)
+    record.loss_token_share = round(rows.loss_share, 4)
+    log.info(
+        "%d training rows of %d positions (%s); %.1f%% of the positions count in the loss%s",
+        rows.rows,
+        training.max_seq_length,
+        "packed" if config.dataset.packing else "padded",
+        100 * rows.loss_share,
+        f"; {len(eval_dataset)} evaluation rows" if eval_dataset is not None else "",
+    )
+    return dataset, eval_dataset
+
+
+def _throughput(
+    record: RunRecord, step_times: list[float], counter: throughput.TokenCounter, flops: float
+) -> None:
+    """Positions, loss tokens and rates of the steps this process ran (the first step compiles: rates
+    start at its end)."""
+    record.tokens = sum(counter.positions)
+    record.loss_tokens = counter.loss_tokens()
+    record.step_seconds = [round(b - a, 4) for a, b in itertools.pairwise(step_times)]
+    if len(step_times) > 1:
+        seconds = step_times[-1] - step_times[0]
+        record.tokens_per_second = round(sum(counter.positions[1:]) / seconds, 1)
+    record.flops_per_token = flops
 
 
 def _add_lora(model: Any, config: TrainerConfig) -> Any:
