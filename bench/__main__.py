@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from bench import operator, trainer
+from bench import operator, recipes, trainer
 
 TARGET_RATIO_N, TARGET_RATIO = 300, 2.0
 TARGET_WRITES_TO_RUNNING = 3
@@ -168,6 +168,9 @@ def report() -> None:
     if trainer.RESULTS.exists():
         print()
         print("\n".join(trainer_report(json.loads(trainer.RESULTS.read_text()))))
+    if recipes.RESULTS.exists():
+        print()
+        print("\n".join(recipes.report(json.loads(recipes.RESULTS.read_text()))))
 
 
 def main(argv: list[str]) -> None:
