@@ -117,7 +117,9 @@ def plot_losses(metrics: dict[str, Any], path: Path) -> Path:
 
 
 def run(keep: bool = False) -> int:
-    cluster = LocalCluster(name="demo", log=lambda line: print(f"    {line}", flush=True))
+    # Its own cluster directory, so a second checkout's demo or test cluster is left alone.
+    name = os.environ.get("TPUFT_DEMO_CLUSTER", "demo")
+    cluster = LocalCluster(name=name, log=lambda line: print(f"    {line}", flush=True))
     operator: OperatorProcess | None = None
     executor: LocalExecutor | None = None
     workdir = ASSETS / "run"
