@@ -241,6 +241,13 @@ def test_status_patch_body_and_throttle() -> None:
     }
 
 
+def test_eval_loss_reaches_the_status_and_the_log_line() -> None:
+    snap = Snapshot(step=6, total_steps=8, loss=2.5, tokens_per_second=None, eta_seconds=None, eval_loss=2.25)
+    assert snap.to_status()["evalLoss"] == 2.25 and "eval loss 2.2500" in snap.to_line()
+    assert "evalLoss" not in Snapshot(6, 8, 2.5, None, None).to_status()
+    assert "evalLoss" not in Snapshot(6, 8, 2.5, None, None, float("nan")).to_status()
+
+
 def test_broken_channel_warns_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     api, clock = FakeApi(fail=True), [0.0]
     r = reporter(api, 0, clock)
