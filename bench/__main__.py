@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from bench import goodput, operator, trainer
+from bench import goodput, operator, recipes, trainer
 
 TARGET_RATIO_N, TARGET_RATIO = 300, 2.0
 TARGET_WRITES_TO_RUNNING = 3
@@ -169,6 +169,9 @@ def report() -> None:
     if trainer.RESULTS.exists():
         print()
         print("\n".join(trainer_report(json.loads(trainer.RESULTS.read_text()))))
+    if recipes.RESULTS.exists():
+        print()
+        print("\n".join(recipes.report(json.loads(recipes.RESULTS.read_text()))))
     if goodput.RESULTS.exists():
         results = json.loads(goodput.RESULTS.read_text())
         print()

@@ -133,6 +133,9 @@ def main() -> None:
             f"{r['parameter_bytes_per_device_max']:>13} {r['parameter_bytes_total_over_n']:>9}"
         )
     print(f"written to {RESULTS}")
+    from bench import recipes  # the recipes' targets: packing's gain, tpuft train's overhead
+
+    recipes.main()
 
 
 if __name__ == "__main__":

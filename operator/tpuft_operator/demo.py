@@ -4,7 +4,8 @@
     ->  operator (as the chart's ServiceAccount)  ->  kubectl apply examples/tiny-cpu-demo.yaml
     ->  JobSet -> pod scheduled on a fake v5e 2x2 node -> the pod's `tpuft train` runs on this host
         over 4 PJRT CPU devices (one per "chip") and reports progress into the resource's status
-    ->  Pending -> Running (live progress) -> Succeeded  ->  the model reloads with from_pretrained
+    ->  Pending -> Running (live progress, eval loss) -> Succeeded  ->  the model reloads with
+        from_pretrained, and the loss curve (training and evaluation) is left at the output as a PNG
 
 Simulated: the TPU nodes (kwok) and the container runtime (the executor runs the pod's command on the
 host). Real: everything else. Ctrl-C cleans up.
@@ -64,7 +65,7 @@ import os
 os.makedirs(root + "/data", exist_ok=True)
 with open(root + "/data/train.jsonl", "w") as out:
     for _ in range(256):
-        out.write(json.dumps({{"text": " ".join(rng.choice(words) for _ in range(12)) + "."}}) + "\\n")
+        out.write(json.dumps({{"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + "."}}) + "\\n")
 """
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
@@ -89,8 +90,36 @@ def verify_model(output: Path) -> None:
     )
 
 
+LOSS_CURVE = "loss-curve.png"
+
+
+def plot_losses(metrics: dict[str, Any], path: Path) -> Path:
+    """The run's training and evaluation losses against the step, as a PNG (matplotlib, dev extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("losses", "training loss", "-"), ("eval_losses", "evaluation loss", "o--")):
+        points = sorted((int(step), loss) for step, loss in metrics.get(key, {}).items())
+        if points:
+            axes.plot([s for s, _ in points], [v for _, v in points], style, label=label)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.set_title("tpuft demo: tiny Llama on 4 PJRT CPU devices")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
 def run(keep: bool = False) -> int:
-    cluster = LocalCluster(name="demo", log=lambda line: print(f"    {line}", flush=True))
+    # Its own cluster directory, so a second checkout's demo or test cluster is left alone.
+    name = os.environ.get("TPUFT_DEMO_CLUSTER", "demo")
+    cluster = LocalCluster(name=name, log=lambda line: print(f"    {line}", flush=True))
     operator: OperatorProcess | None = None
     executor: LocalExecutor | None = None
     workdir = ASSETS / "run"
@@ -140,6 +169,8 @@ def run(keep: bool = False) -> int:
             progress = status.get("progress") or {}
             if "loss" in progress:
                 line += f"   loss {progress['loss']:.4f}, ETA {progress.get('etaSeconds', '?')}s"
+            if "evalLoss" in progress:
+                line += f", eval loss {progress['evalLoss']:.4f}"
             if line and line != last_line:
                 print(line, flush=True)
                 last_line = line
@@ -155,6 +186,11 @@ def run(keep: bool = False) -> int:
         say("The fine-tuned model, reloaded with transformers.AutoModelForCausalLM.from_pretrained:")
         verify_model(ASSETS / "output")
         print(f"    files: {', '.join(sorted(p.name for p in (ASSETS / 'output').iterdir()))}")
+        say("Training and evaluation loss (tpuft-metrics.json; TensorBoard events in output/tensorboard):")
+        metrics = json.loads((ASSETS / "output" / "tpuft-metrics.json").read_text())
+        evals = {int(k): v for k, v in metrics["eval_losses"].items()}
+        print("    eval loss by step: " + ", ".join(f"{k}: {v:.4f}" for k, v in sorted(evals.items())))
+        print(f"    loss curve: {plot_losses(metrics, ASSETS / 'output' / LOSS_CURVE)}")
         return 0
     finally:
         say("Cleaning up" + (" (keeping the cluster: --keep)" if keep else ""))

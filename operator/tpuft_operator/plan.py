@@ -51,10 +51,32 @@ class ModelDims:
     head_dim: int
     gated_mlp: bool = True
     source: str = ""
+    experts: int = 1  # mixture of experts: MLPs per layer, and how many each token runs through
+    experts_per_token: int = 1
+    tied_embeddings: bool = False
 
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies with: all but the embedding lookup and the experts it skips."""
+        idle_experts = (self.experts - self.experts_per_token) * self.mlp_params_per_expert * self.num_layers
+        lookup = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        return self.params - idle_experts - lookup
+
+    @property
+    def mlp_params_per_expert(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+
+    def flops_per_token(self, seq_len: int, *, full: bool = True) -> float:
+        """Model FLOPs of one training token, as the trainer counts them (tpuft_trainer/throughput.py):
+        6 per weight (4 for frozen weights, LoRA), + 12 x layers x hidden x sequence for attention."""
+        per_weight = 6 if full else 4
+        return float(
+            per_weight * self.active_matmul_params + 12 * self.num_layers * self.hidden_size * seq_len
+        )
 
     @property
     def q_width(self) -> int:
@@ -72,14 +94,17 @@ def dims(
     head_dim: int | None = None,
     tied_embeddings: bool = False,
     gated_mlp: bool = True,
+    experts: int = 1,
+    experts_per_token: int = 1,
     source: str = "",
 ) -> ModelDims:
-    """ModelDims with the parameter count computed from the architecture (Llama-style layers)."""
+    """ModelDims with the parameter count computed from the architecture (Llama-style layers; a
+    mixture of experts has ``experts`` MLPs per layer and a router)."""
     kv_heads = num_kv_heads or num_heads
     hd = head_dim or hidden_size // num_heads
     h, i = hidden_size, intermediate_size
     attention = h * num_heads * hd * 2 + h * kv_heads * hd * 2  # q, o; k, v
-    mlp = (3 if gated_mlp else 2) * h * i
+    mlp = (3 if gated_mlp else 2) * h * i * experts + (h * experts if experts > 1 else 0)
     per_layer = attention + mlp + 2 * h  # + two norms
     embeddings = vocab_size * h * (1 if tied_embeddings else 2)
     return ModelDims(
@@ -93,128 +118,87 @@ def dims(
         head_dim=hd,
         gated_mlp=gated_mlp,
         source=source,
+        experts=experts,
+        experts_per_token=experts_per_token,
+        tied_embeddings=tied_embeddings,
     )
 
 
-def _hub(model_id: str, **kwargs: Any) -> ModelDims:
-    return dims(source=f"built-in table (config.json of huggingface.co/{model_id})", **kwargs)
+# The families the trainer supports (Llama 2/3, Gemma 1-3, Mistral, Mixtral, Qwen 2/2.5/3, Phi-3), by
+# size: each row's numbers are those of the repository's config.json on the Hugging Face hub (the text
+# model's, for Gemma 3's multimodal sizes), so `tpuft plan` works offline for them. Columns: hidden
+# size, layers, MLP width, attention heads, key/value heads, vocabulary, head dim (None: hidden/heads),
+# tied embeddings, experts (total, per token). Variants that share an architecture (instruct/it/base)
+# are listed with it. Anything else: a local config.json, the HF cache, or --params-billions.
+_FAMILY_TABLE: list[tuple[tuple[str, ...], tuple[int, int, int, int, int, int, int | None, bool, int, int]]] = [
+    # Llama 2 and 3 (meta-llama)
+    (("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf"), (4096, 32, 11008, 32, 32, 32000, None, False, 1, 1)),
+    (("meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-13b-chat-hf"), (5120, 40, 13824, 40, 40, 32000, None, False, 1, 1)),
+    (("meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-70b-chat-hf"), (8192, 80, 28672, 64, 8, 32000, None, False, 1, 1)),
+    (("meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct"), (4096, 32, 14336, 32, 8, 128256, None, False, 1, 1)),
+    (("meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-70B-Instruct"), (8192, 80, 28672, 64, 8, 128256, None, False, 1, 1)),
+    (("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct"), (4096, 32, 14336, 32, 8, 128256, None, False, 1, 1)),
+    (("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.3-70B-Instruct"), (8192, 80, 28672, 64, 8, 128256, None, False, 1, 1)),
+    (("meta-llama/Llama-3.1-405B", "meta-llama/Llama-3.1-405B-Instruct"), (16384, 126, 53248, 128, 8, 128256, None, False, 1, 1)),
+    (("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct"), (2048, 16, 8192, 32, 8, 128256, None, True, 1, 1)),
+    (("meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B-Instruct"), (3072, 28, 8192, 24, 8, 128256, None, True, 1, 1)),
+    # Gemma 1, 2, 3 (google)
+    (("google/gemma-2b", "google/gemma-2b-it"), (2048, 18, 16384, 8, 1, 256000, 256, True, 1, 1)),
+    (("google/gemma-7b", "google/gemma-7b-it"), (3072, 28, 24576, 16, 16, 256000, 256, True, 1, 1)),
+    (("google/gemma-2-2b", "google/gemma-2-2b-it"), (2304, 26, 9216, 8, 4, 256000, 256, True, 1, 1)),
+    (("google/gemma-2-9b", "google/gemma-2-9b-it"), (3584, 42, 14336, 16, 8, 256000, 256, True, 1, 1)),
+    (("google/gemma-2-27b", "google/gemma-2-27b-it"), (4608, 46, 36864, 32, 16, 256000, 128, True, 1, 1)),
+    (("google/gemma-3-1b-pt", "google/gemma-3-1b-it"), (1152, 26, 6912, 4, 1, 262144, 256, True, 1, 1)),
+    (("google/gemma-3-4b-pt", "google/gemma-3-4b-it"), (2560, 34, 10240, 8, 4, 262208, 256, True, 1, 1)),
+    (("google/gemma-3-12b-pt", "google/gemma-3-12b-it"), (3840, 48, 15360, 16, 8, 262208, 256, True, 1, 1)),
+    (("google/gemma-3-27b-pt", "google/gemma-3-27b-it"), (5376, 62, 21504, 32, 16, 262208, 128, True, 1, 1)),
+    # Mistral and Mixtral (mistralai)
+    (("mistralai/Mistral-7B-v0.1", "mistralai/Mistral-7B-Instruct-v0.1", "mistralai/Mistral-7B-Instruct-v0.2"), (4096, 32, 14336, 32, 8, 32000, None, False, 1, 1)),
+    (("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"), (4096, 32, 14336, 32, 8, 32768, None, False, 1, 1)),
+    (("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"), (4096, 32, 14336, 32, 8, 32000, None, False, 8, 2)),
+    (("mistralai/Mixtral-8x22B-v0.1",), (6144, 56, 16384, 48, 8, 32000, None, False, 8, 2)),
+    (("mistralai/Mixtral-8x22B-Instruct-v0.1",), (6144, 56, 16384, 48, 8, 32768, None, False, 8, 2)),
+    # Qwen 2, 2.5, 3 (Qwen)
+    (("Qwen/Qwen2-0.5B", "Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B-Instruct"), (896, 24, 4864, 14, 2, 151936, None, True, 1, 1)),
+    (("Qwen/Qwen2-1.5B", "Qwen/Qwen2-1.5B-Instruct", "Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-1.5B-Instruct"), (1536, 28, 8960, 12, 2, 151936, None, True, 1, 1)),
+    (("Qwen/Qwen2-7B", "Qwen/Qwen2-7B-Instruct", "Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct"), (3584, 28, 18944, 28, 4, 152064, None, False, 1, 1)),
+    (("Qwen/Qwen2-72B", "Qwen/Qwen2-72B-Instruct", "Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct"), (8192, 80, 29568, 64, 8, 152064, None, False, 1, 1)),
+    (("Qwen/Qwen2.5-3B", "Qwen/Qwen2.5-3B-Instruct"), (2048, 36, 11008, 16, 2, 151936, None, True, 1, 1)),
+    (("Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-14B-Instruct"), (5120, 48, 13824, 40, 8, 152064, None, False, 1, 1)),
+    (("Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-32B-Instruct"), (5120, 64, 27648, 40, 8, 152064, None, False, 1, 1)),
+    (("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B-Base"), (1024, 28, 3072, 16, 8, 151936, 128, True, 1, 1)),
+    (("Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B-Base"), (2048, 28, 6144, 16, 8, 151936, 128, True, 1, 1)),
+    (("Qwen/Qwen3-4B", "Qwen/Qwen3-4B-Base"), (2560, 36, 9728, 32, 8, 151936, 128, True, 1, 1)),
+    (("Qwen/Qwen3-8B", "Qwen/Qwen3-8B-Base"), (4096, 36, 12288, 32, 8, 151936, 128, False, 1, 1)),
+    (("Qwen/Qwen3-14B", "Qwen/Qwen3-14B-Base"), (5120, 40, 17408, 40, 8, 151936, 128, False, 1, 1)),
+    (("Qwen/Qwen3-32B",), (5120, 64, 25600, 64, 8, 151936, 128, False, 1, 1)),
+    # Phi-3 (microsoft); Phi-3-small is another architecture (block-sparse attention) and not listed
+    (("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3-mini-128k-instruct", "microsoft/Phi-3.5-mini-instruct"), (3072, 32, 8192, 32, 32, 32064, None, False, 1, 1)),
+    (("microsoft/Phi-3-medium-4k-instruct", "microsoft/Phi-3-medium-128k-instruct"), (5120, 40, 17920, 40, 10, 32064, None, False, 1, 1)),
+]  # fmt: skip
 
 
-# Architectures of well-known models, copied from each repository's config.json on the Hugging Face
-# hub, so `tpuft plan` works offline for them. Anything else: a local config.json, the HF cache, or
-# --params-billions.
-KNOWN_MODELS: dict[str, ModelDims] = {
-    "meta-llama/Llama-3.2-1B": _hub(
-        "meta-llama/Llama-3.2-1B",
-        hidden_size=2048,
-        num_layers=16,
-        intermediate_size=8192,
-        num_heads=32,
-        num_kv_heads=8,
-        vocab_size=128256,
-        tied_embeddings=True,
-    ),
-    "meta-llama/Llama-3.2-3B": _hub(
-        "meta-llama/Llama-3.2-3B",
-        hidden_size=3072,
-        num_layers=28,
-        intermediate_size=8192,
-        num_heads=24,
-        num_kv_heads=8,
-        vocab_size=128256,
-        tied_embeddings=True,
-    ),
-    "meta-llama/Llama-3.1-8B": _hub(
-        "meta-llama/Llama-3.1-8B",
-        hidden_size=4096,
-        num_layers=32,
-        intermediate_size=14336,
-        num_heads=32,
-        num_kv_heads=8,
-        vocab_size=128256,
-    ),
-    "meta-llama/Llama-3.1-70B": _hub(
-        "meta-llama/Llama-3.1-70B",
-        hidden_size=8192,
-        num_layers=80,
-        intermediate_size=28672,
-        num_heads=64,
-        num_kv_heads=8,
-        vocab_size=128256,
-    ),
-    "google/gemma-2-2b": _hub(
-        "google/gemma-2-2b",
-        hidden_size=2304,
-        num_layers=26,
-        intermediate_size=9216,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=256,
-        vocab_size=256000,
-        tied_embeddings=True,
-    ),
-    "google/gemma-2-9b": _hub(
-        "google/gemma-2-9b",
-        hidden_size=3584,
-        num_layers=42,
-        intermediate_size=14336,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=256,
-        vocab_size=256000,
-        tied_embeddings=True,
-    ),
-    "Qwen/Qwen2.5-0.5B": _hub(
-        "Qwen/Qwen2.5-0.5B",
-        hidden_size=896,
-        num_layers=24,
-        intermediate_size=4864,
-        num_heads=14,
-        num_kv_heads=2,
-        vocab_size=151936,
-        tied_embeddings=True,
-    ),
-    "Qwen/Qwen2.5-1.5B": _hub(
-        "Qwen/Qwen2.5-1.5B",
-        hidden_size=1536,
-        num_layers=28,
-        intermediate_size=8960,
-        num_heads=12,
-        num_kv_heads=2,
-        vocab_size=151936,
-        tied_embeddings=True,
-    ),
-    "Qwen/Qwen2.5-7B": _hub(
-        "Qwen/Qwen2.5-7B",
-        hidden_size=3584,
-        num_layers=28,
-        intermediate_size=18944,
-        num_heads=28,
-        num_kv_heads=4,
-        vocab_size=152064,
-    ),
-    "mistralai/Mistral-7B-v0.1": _hub(
-        "mistralai/Mistral-7B-v0.1",
-        hidden_size=4096,
-        num_layers=32,
-        intermediate_size=14336,
-        num_heads=32,
-        num_kv_heads=8,
-        vocab_size=32000,
-    ),
-}
-# Instruct variants share the architecture of their base model.
-for _base in (
-    "meta-llama/Llama-3.2-1B",
-    "meta-llama/Llama-3.2-3B",
-    "meta-llama/Llama-3.1-8B",
-    "meta-llama/Llama-3.1-70B",
-):
-    KNOWN_MODELS[f"{_base}-Instruct"] = KNOWN_MODELS[_base]
-for _base in ("google/gemma-2-2b", "google/gemma-2-9b"):
-    KNOWN_MODELS[f"{_base}-it"] = KNOWN_MODELS[_base]
-for _base in ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-7B"):
-    KNOWN_MODELS[f"{_base}-Instruct"] = KNOWN_MODELS[_base]
+def _known_models() -> dict[str, ModelDims]:
+    models = {}
+    for ids, (h, layers, mlp, heads, kv, vocab, head_dim, tied, experts, per_token) in _FAMILY_TABLE:
+        for model_id in ids:
+            models[model_id] = dims(
+                hidden_size=h,
+                num_layers=layers,
+                intermediate_size=mlp,
+                num_heads=heads,
+                num_kv_heads=kv,
+                vocab_size=vocab,
+                head_dim=head_dim,
+                tied_embeddings=tied,
+                experts=experts,
+                experts_per_token=per_token,
+                source=f"built-in table (config.json of huggingface.co/{ids[0]})",
+            )
+    return models
+
+
+KNOWN_MODELS: dict[str, ModelDims] = _known_models()
 
 
 def dims_from_config(config: dict[str, Any], source: str) -> ModelDims:
@@ -233,6 +217,10 @@ def dims_from_config(config: dict[str, Any], source: str) -> ModelDims:
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             gated_mlp=config.get("hidden_act", config.get("hidden_activation", "silu"))
             not in ("gelu_new", "relu"),
+            experts=int(config.get("num_local_experts") or 1),  # Mixtral's name for its experts
+            experts_per_token=int(config.get("num_experts_per_tok") or 1)
+            if config.get("num_local_experts")
+            else 1,
             source=source,
         )
     if "n_embd" in config:  # GPT-2 style
@@ -289,6 +277,14 @@ class Plan:
     lines: list[MemoryLine]
     hbm_bytes: int
     notes: list[str] = field(default_factory=list)
+    global_batch: int = 0  # sequences per optimizer step (accumulation included)
+    flops_per_token: float = 0.0
+
+    @property
+    def flops_per_step(self) -> float:
+        return self.flops_per_token * self.global_batch * self.seq_len
+
+    seq_len: int = 0
 
     @property
     def total_bytes(self) -> float:
@@ -388,7 +384,11 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
         )
     )
 
+    batch_chips = shape.chips // tensor  # the batch splits over every axis but tensor
     return Plan(
+        global_batch=b * batch_chips * training.gradient_accumulation_steps,
+        flops_per_token=model.flops_per_token(s, full=training.method == "full"),
+        seq_len=s,
         name=f"{ft.metadata.namespace}/{ft.metadata.name}",
         shape=shape,
         mesh=(fsdp, tensor, data, shape.slices),
@@ -427,6 +427,27 @@ def suggestions(p: Plan, ft: TPUFineTune) -> list[str]:
     return out
 
 
+ASSUMED_MFU = 0.4  # a good FSDP fine-tune on TPU (MaxText's Llama 3.1 8B on v6e-8: ~45%)
+
+
+def _step_rows(p: Plan, ft: TPUFineTune) -> list[str]:
+    training = ft.spec.training
+    fam = p.shape.family
+    peak = p.shape.chips * fam.peak_bf16_tflops_per_chip * 1e12
+    at_peak = p.flops_per_step / peak
+    return [
+        "",
+        "One optimizer step (estimate)",
+        f"  batch       {training.per_device_batch_size} per chip x {p.global_batch // training.per_device_batch_size // training.gradient_accumulation_steps} chips"
+        f" x {training.gradient_accumulation_steps} accumulated = {p.global_batch} sequences of {p.seq_len}"
+        f" ({_count(p.global_batch * p.seq_len)} tokens)",
+        f"  compute     {p.flops_per_token:.3g} model FLOPs per token (6N + 12 x layers x hidden x seq), "
+        f"{p.flops_per_step:.3g} per step",
+        f"  time        {at_peak:.3g} s at the chips' peak ({fam.peak_bf16_tflops_per_chip:g} TFLOP/s bf16 each); "
+        f"~{at_peak / ASSUMED_MFU:.3g} s at {ASSUMED_MFU:.0%} MFU",
+    ]
+
+
 def format_plan(p: Plan, ft: TPUFineTune) -> str:
     shape, fam = p.shape, p.shape.family
     fsdp, tensor, data, dcn = p.mesh
@@ -461,6 +482,7 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         )
     elif share > 0.75:
         rows.append("note: tight; XLA's temporary buffers may push it over. Leave some margin.")
+    rows += _step_rows(p, ft)
     rows += ["", *[f"note: {n}" for n in p.notes]] if p.notes else []
     rows += [
         "",

@@ -59,6 +59,16 @@ class Observed:
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
+def global_batch(spec: Obj, chips: int) -> int:
+    """Sequences per optimizer step: the batch of a chip, times the chips the batch is split over
+    (every axis but tensor), times the micro-batches accumulated into one step. Defaults as the API's."""
+    training = spec.get("training") or {}
+    mesh = (spec.get("fsdp") or {}).get("mesh") or {}
+    per_chip = int(training.get("perDeviceBatchSize", 8))
+    accumulation = int(training.get("gradientAccumulationSteps", 1))
+    return per_chip * (chips // int(mesh.get("tensor", 1) or 1)) * accumulation
+
+
 def _condition(obj: Obj | None, type_: str) -> Obj | None:
     for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
         if cond.get("type") == type_:
@@ -343,6 +353,7 @@ def derive_status(obs: Observed) -> dict[str, Any]:
     }
     if obs.chips is not None:
         status["chips"] = obs.chips
+        status["globalBatch"] = global_batch((obs.finetune.get("spec") or {}), obs.chips)
     if obs.hosts is not None:
         status["hosts"] = obs.hosts
     if obs.jobset is not None:

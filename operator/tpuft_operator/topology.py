@@ -55,6 +55,8 @@ class TpuFamily:
     default_chips_per_host: int
     hbm_gib_per_chip: int
     tensorcores_per_chip: int
+    # Peak dense bf16 compute of one chip, TFLOP/s (Google's "peak compute per chip"): the MFU denominator.
+    peak_bf16_tflops_per_chip: float
     max_chips_per_slice: int
     # 2-D families list their shapes; 3-D families follow the rule in `_valid_3d`.
     topologies_2d: tuple[str, ...] = ()
@@ -106,6 +108,7 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=32,
         tensorcores_per_chip=2,
+        peak_bf16_tflops_per_chip=275.0,  # cloud.google.com/tpu/docs/v4
         # A v4 pod is 4096 chips (cloud.google.com/tpu/docs/v4); 16x16x16 is the largest slice.
         max_chips_per_slice=4096,
         max_dimension=16,
@@ -119,6 +122,7 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=16,
         tensorcores_per_chip=1,
+        peak_bf16_tflops_per_chip=197.0,  # cloud.google.com/tpu/docs/v5e
         max_chips_per_slice=256,
         topologies_2d=_2D_TOPOLOGIES,
     ),
@@ -130,6 +134,7 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=95,
         tensorcores_per_chip=2,
+        peak_bf16_tflops_per_chip=459.0,  # cloud.google.com/tpu/docs/v5p
         # A v5p pod is 8960 chips; xpk's largest v5p shape is 16x20x28 (= 8960).
         max_chips_per_slice=8960,
         small_topologies_3d=_SMALL_3D,
@@ -142,6 +147,7 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=32,
         tensorcores_per_chip=1,
+        peak_bf16_tflops_per_chip=918.0,  # cloud.google.com/tpu/docs/v6e
         max_chips_per_slice=256,
         topologies_2d=_2D_TOPOLOGIES,
     ),
@@ -154,6 +160,7 @@ FAMILIES: dict[str, TpuFamily] = {
         default_chips_per_host=4,
         hbm_gib_per_chip=192,
         tensorcores_per_chip=2,
+        peak_bf16_tflops_per_chip=2307.0,  # docs.cloud.google.com/tpu/docs/tpu7x (FP8: 4614)
         # An Ironwood pod is 9216 chips; xpk's largest shape is 16x24x24 (= 9216).
         max_chips_per_slice=9216,
         small_topologies_3d=("1x1x1", *_SMALL_3D),

@@ -6,7 +6,8 @@ import math
 
 from tpuft_operator.topology import FAMILIES, host_sizes_for, parse_topology, valid_shapes
 
-SOURCES = """Sources: Google Cloud TPU documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x),
+SOURCES = """Sources: Google Cloud TPU documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x;
+peak bf16 compute per chip from each page's system-architecture table, tpu7x's 2307 TFLOP/s bf16 beside 4614 FP8),
 GKE "Plan TPUs in GKE" and "About Ironwood (TPU7x) in GKE" (workload policy replaces --tpu-topology for
 multi-host Ironwood pools), and xpk's `src/xpk/core/system_characteristics.py` (AI-Hypercomputer/xpk) for
 the accelerator label values, machine types and topology lists."""
@@ -25,14 +26,15 @@ def topology_markdown() -> str:
         "## Families",
         "",
         "| type | `cloud.google.com/gke-tpu-accelerator` | dims | machine types (chips per host) | default chips per host "
-        "| HBM per chip | TensorCores per chip | largest slice |",
-        "|---|---|---|---|---|---|---|---|",
+        "| HBM per chip | TensorCores per chip | peak bf16 per chip | largest slice |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in FAMILIES.values():
         machines = ", ".join(f"{m} ({c})" for c, m in sorted(fam.machine_types.items()))
         out.append(
             f"| `{fam.name}` | `{fam.accelerator}` | {fam.dimensions}-D | {machines} | {fam.default_chips_per_host} "
-            f"| {fam.hbm_gib_per_chip} GiB | {fam.tensorcores_per_chip} | {fam.max_chips_per_slice} chips |"
+            f"| {fam.hbm_gib_per_chip} GiB | {fam.tensorcores_per_chip} | {fam.peak_bf16_tflops_per_chip:g} TFLOP/s "
+            f"| {fam.max_chips_per_slice} chips |"
         )
     out += [
         "",

@@ -95,7 +95,73 @@ def _train(
     trainer.train()
     seen["sharding"] = _sharding(trainer.model)
     seen["fsdp_args"] = args
+    seen["trainer_args"] = {
+        "optim": trainer.args.optim.value,
+        "dataloader_drop_last": trainer.args.dataloader_drop_last,
+        "activation_checkpointing": trainer.args.activation_checkpointing,
+    }
     return trainer, seen
+
+
+def optimum_tutorial() -> dict[str, Any]:
+    """optimum-tpu's Llama tuning tutorial, call for call (tokenised rows of their own length, padded per
+    batch by the collator), on a tiny Llama; and its Gemma notebook's SFTConfig without optim or
+    drop_last, where XLA's defaults fill in."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from tpuft_trainer import fsdp_v2
+
+    tokenizer = tiny.tokenizer()
+    model = tiny.model("llama")
+    data = tiny.text_dataset().map(lambda samples: tokenizer(samples["text"]), batched=True)
+    fsdp_training_args = fsdp_v2.get_fsdp_training_args(model)
+    observer, seen = _observer(model)
+    trainer = Trainer(
+        model=model,
+        train_dataset=data,
+        args=TrainingArguments(
+            per_device_train_batch_size=8,
+            num_train_epochs=10,
+            max_steps=4,
+            output_dir=tempfile.mkdtemp(),
+            optim="adafactor",
+            logging_steps=1,
+            dataloader_drop_last=True,  # Required by FSDP v2 and SPMD.
+            **fsdp_training_args,
+        ),
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
+    trainer.add_callback(observer)
+    trainer.train()
+    seen["fsdp_args_keys"] = sorted(fsdp_training_args)
+    seen["sharding"] = _sharding(trainer.model)
+
+    model = tiny.model("gemma")
+    sft_observer, sft_seen = _observer(model)
+    sft = SFTTrainer(
+        model=model,
+        train_dataset=tiny.text_dataset(),
+        args=SFTConfig(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=8,
+            max_steps=3,
+            logging_steps=1,
+            max_length=32,
+            dataset_text_field="text",
+            report_to=[],
+            **fsdp_v2.get_fsdp_training_args(model),
+        ),
+        processing_class=tokenizer,
+    )
+    sft.add_callback(sft_observer)
+    sft.train()
+    sft_seen["trainer_args"] = {
+        "optim": sft.args.optim.value,
+        "dataloader_drop_last": sft.args.dataloader_drop_last,
+        "activation_checkpointing": sft.args.activation_checkpointing,
+    }
+    return {"trainer": seen, "sft": sft_seen}
 
 
 def stock_llama() -> dict[str, Any]:
@@ -143,9 +209,10 @@ def compat_needed() -> dict[str, Any]:
 
     found: dict[str, str] = {}
 
-    def attempt(name: str, fn: Any) -> None:
-        if name in {patch.name for patch in compat.PATCHES}:
-            compat.disable(name)
+    def attempt(name: str, fn: Any, *, patch: str | None = None) -> None:
+        patch = patch or name
+        if patch in {p.name for p in compat.PATCHES}:
+            compat.disable(patch)
         try:
             found[name] = f"no error: {fn()}"
         except Exception as error:
@@ -153,10 +220,8 @@ def compat_needed() -> dict[str, Any]:
         finally:
             compat.enable()
 
-    def trainer(
-        model: Any, steps: int = 1, sft: bool = False, drop: tuple[str, ...] = (), **extra: Any
-    ) -> Any:
-        args = {k: v for k, v in {**get_fsdp_training_args(model), **extra}.items() if k not in drop}
+    def trainer(model: Any, steps: int = 1, sft: bool = False, **extra: Any) -> Any:
+        args = {**get_fsdp_training_args(model), **extra}
         settings = dict(
             output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=8, report_to=[]
         )
@@ -211,18 +276,23 @@ def compat_needed() -> dict[str, Any]:
         return f"mesh={current}"
 
     attempt("mesh_wins", mesh_after_init)
+    from recipe_cases import packing_forward_transfers
+
+    attempt("packed_mask_on_device", packing_forward_transfers)
     xs.set_global_mesh(None)
 
-    # Settings carried by get_fsdp_training_args rather than patches: the Trainer's defaults still fail.
+    # Without XLA's training defaults, the optimum-style call trains with the Trainer's fused AdamW, and
+    # SFTConfig turns the Trainer's own checkpointing on.
     def default_optimizer() -> str:
-        t = trainer(tiny.model(), drop=("optim",))
+        t = trainer(tiny.model())
         t.train()
         return f"trained with {t.args.optim} ({type(t.optimizer).__name__})"
 
-    attempt("default_optimizer", default_optimizer)
+    attempt("xla_training_defaults", default_optimizer)
     attempt(
-        "trainer_gradient_checkpointing",
-        lambda: trainer(tiny.model(), sft=True, activation_checkpointing=True).train(),
+        "xla_training_defaults:sft",
+        lambda: trainer(tiny.model(), sft=True, optim="adafactor").train(),
+        patch="xla_training_defaults",
     )
     return found
 
@@ -247,7 +317,10 @@ def twice() -> dict[str, Any]:
     return {"spmd": xr.is_spmd(), "patches": compat.applied()}
 
 
-CASES = {f.__name__: f for f in (stock_llama, llama_only, families, compat_needed, late_spmd, twice)}
+CASES = {
+    f.__name__: f
+    for f in (stock_llama, llama_only, families, compat_needed, late_spmd, twice, optimum_tutorial)
+}
 
 if __name__ == "__main__":
     case, out_path = sys.argv[1], sys.argv[2]

@@ -53,10 +53,10 @@ class Proc:
         return "\n".join(useful[-lines:])
 
 
-def run_case(case: str, devices: int) -> Proc:
+def run_case(case: str, devices: int, script: str = "cases.py") -> Proc:
     out = Path(tempfile.mkdtemp()) / "result.json"
     done = subprocess.run(
-        [PYTHON, str(HERE / "cases.py"), case, str(out)],
+        [PYTHON, str(HERE / script), case, str(out)],
         env=spmd_env(devices),
         capture_output=True,
         text=True,

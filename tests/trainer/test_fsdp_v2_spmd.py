@@ -16,6 +16,7 @@ SPMD_JOBS = {
     "families@4": functools.partial(run_case, "families", 4),
     "llama@8": functools.partial(run_case, "llama_only", 8),
     "llama@2": functools.partial(run_case, "llama_only", 2),
+    "optimum_tutorial@4": functools.partial(run_case, "optimum_tutorial", 4),
 }
 
 
@@ -62,12 +63,34 @@ def test_checkpointing_off_gives_identical_losses(pool: Pool) -> None:
 def test_returned_args_are_complete_and_warning_free(pool: Pool) -> None:
     run = result(pool, "stock_llama@4")["ckpt_on"]
     args = run["fsdp_args"]
+    assert sorted(args) == ["fsdp", "fsdp_config"]  # what optimum-tpu returns, nothing more
     assert args["fsdp"] is True
     assert args["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert args["fsdp_config"]["xla"] and args["fsdp_config"]["xla_fsdp_v2"]
     assert args["fsdp_config"]["xla_fsdp_grad_ckpt"] is True
-    assert args["optim"] == "adafactor" and args["dataloader_drop_last"] is True
+    # what XLA needs came from use_fsdp_v2()'s defaults, since the call did not pass it
+    assert run["trainer_args"] == {
+        "optim": "adafactor",
+        "dataloader_drop_last": True,
+        "activation_checkpointing": False,
+    }
     assert run["deprecations"] == []
+
+
+def test_optimum_tutorial_as_written(pool: Pool) -> None:
+    found = result(pool, "optimum_tutorial@4")
+    run = found["trainer"]
+    assert run["fsdp_args_keys"] == ["fsdp", "fsdp_config"]
+    assert len(run["losses"]) == 4 and run["losses"][-1] < run["losses"][0]
+    assert_sharded_over_fsdp(run["sharding"], 4)
+    assert run["mlp_forwards"] == [2] * 4  # xla_fsdp_grad_ckpt: each block recomputed in the backward
+    sft = found["sft"]
+    assert len(sft["losses"]) == 3 and sft["losses"][-1] < sft["losses"][0]
+    assert sft["trainer_args"] == {
+        "optim": "adafactor",
+        "dataloader_drop_last": True,
+        "activation_checkpointing": False,
+    }
 
 
 def test_save_model_reloads_exactly(pool: Pool) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import tiny
+from transformers.training_args import OptimizerNames
 
 from tpuft_trainer import fsdp_v2
 from tpuft_trainer.cli import exit_code_for
@@ -135,9 +136,58 @@ def test_fallback_to_no_split_modules() -> None:
     assert fsdp_v2.resolve_layer_classes(model) == ["GPT2Block"]
 
 
-def test_optimizer_must_run_on_xla() -> None:
-    with pytest.raises(ConfigError, match="adamw_torch_fused"):
-        fsdp_v2.get_fsdp_training_args(tiny.model("llama"), optim="adamw_torch_fused")
+def test_xla_defaults_fill_only_what_the_caller_left_out(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    args = fsdp_v2.get_fsdp_training_args(tiny.model("llama"))
+    assert sorted(args) == ["fsdp", "fsdp_config"]
+    filled = TrainingArguments(output_dir=str(tmp_path), **args)
+    assert (filled.optim, filled.dataloader_drop_last, filled.activation_checkpointing) == (
+        "adafactor",
+        True,
+        False,
+    )
+    chosen = TrainingArguments(str(tmp_path), optim="adamw_torch", dataloader_drop_last=False, **args)
+    assert (chosen.optim, chosen.dataloader_drop_last) == ("adamw_torch", False)
+    sft = SFTConfig(output_dir=str(tmp_path), **args)  # trl's default would turn checkpointing on
+    assert (sft.optim, sft.activation_checkpointing) == ("adafactor", False)
+    # without FSDPv2 nothing changes
+    assert TrainingArguments(output_dir=str(tmp_path)).optim.value == "adamw_torch_fused"
+
+
+@pytest.mark.parametrize(
+    ("chosen", "message"),
+    [
+        (
+            {"optim": "adamw_torch_fused"},
+            r"optim='adamw_torch_fused' cannot run under xla_fsdp_v2.*adafactor",
+        ),
+        ({"optim": OptimizerNames.ADAMW_TORCH_FUSED}, r"optim='adamw_torch_fused' cannot run"),
+        ({"gradient_checkpointing": True}, r"gradient_checkpointing=True cannot run.*xla_fsdp_grad_ckpt"),
+        ({"activation_checkpointing": True}, r"activation_checkpointing=True cannot run"),
+    ],
+)
+def test_a_chosen_value_that_cannot_run_on_xla_is_refused(
+    tmp_path: Path, chosen: dict[str, Any], message: str
+) -> None:
+    from transformers import TrainingArguments
+
+    with pytest.raises(ConfigError, match=message):
+        TrainingArguments(output_dir=str(tmp_path), **chosen, **fsdp_v2.get_fsdp_training_args(tiny.model()))
+
+
+def test_get_fsdp_config_as_optimum_spells_it() -> None:
+    config = fsdp_v2.get_fsdp_config("LlamaDecoderLayer")
+    assert config == {
+        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        "xla": True,
+        "xla_fsdp_v2": True,
+        "xla_fsdp_grad_ckpt": True,
+    }
+    assert fsdp_v2.get_fsdp_config(["A", "B"], "C")["transformer_layer_cls_to_wrap"] == ["A", "B", "C"]
+    with pytest.raises(ConfigError, match="at least one"):
+        fsdp_v2.get_fsdp_config()
 
 
 # ---- progress -------------------------------------------------------------------------------------
@@ -189,6 +239,13 @@ def test_status_patch_body_and_throttle() -> None:
         "tokensPerSecond": 100.0,
         "summary": "5/20 (25%)",
     }
+
+
+def test_eval_loss_reaches_the_status_and_the_log_line() -> None:
+    snap = Snapshot(step=6, total_steps=8, loss=2.5, tokens_per_second=None, eta_seconds=None, eval_loss=2.25)
+    assert snap.to_status()["evalLoss"] == 2.25 and "eval loss 2.2500" in snap.to_line()
+    assert "evalLoss" not in Snapshot(6, 8, 2.5, None, None).to_status()
+    assert "evalLoss" not in Snapshot(6, 8, 2.5, None, None, float("nan")).to_status()
 
 
 def test_broken_channel_warns_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:

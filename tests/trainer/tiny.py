@@ -94,6 +94,13 @@ def write_jsonl(path: Path, n: int = 64, *, chat: bool = False, field: str = "te
     return path
 
 
+def text_dataset(n: int = 64) -> Any:
+    """A datasets.Dataset with one ``text`` column (what optimum-tpu's tutorials start from)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"text": texts(n)})
+
+
 def token_dataset(seq_len: int = 32, n: int = 64) -> Any:
     """A datasets.Dataset of fixed-length input_ids/labels for the stock-Trainer tests."""
     from datasets import Dataset
@@ -101,3 +108,37 @@ def token_dataset(seq_len: int = 32, n: int = 64) -> Any:
     tok = tokenizer()
     ids = [tok(t, truncation=True, max_length=seq_len, padding="max_length")["input_ids"] for t in texts(n)]
     return Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * seq_len] * n})
+
+
+ANSWERS = ["yes", "no", "blue", "red"]
+CHAT_TEMPLATE_WITH_MARKERS = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def long_question_chats(n: int = 64, seed: int = 0, question_words: int = 16) -> list[dict[str, Any]]:
+    """Chats with a long user turn and a one-word answer that depends on the question's first word
+    (so a model can learn it), like instruction data whose prompts dwarf the answers."""
+    import random
+
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(question_words)]
+        answer = ANSWERS[WORDS.index(words[0]) % len(ANSWERS)]
+        chats.append(
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(words) + "?"},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+        )
+    return chats
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -48,10 +48,62 @@ def ft(**spec_changes: Any) -> Any:
         ("google/gemma-2-9b", 9.24),
         ("Qwen/Qwen2.5-7B", 7.61),
         ("mistralai/Mistral-7B-v0.1", 7.24),
+        ("meta-llama/Llama-2-7b-hf", 6.74),
+        ("meta-llama/Llama-2-13b-hf", 13.0),
+        ("meta-llama/Llama-2-70b-hf", 69.0),
+        ("meta-llama/Meta-Llama-3-8B", 8.03),
+        ("meta-llama/Llama-3.1-405B", 405.9),
+        ("google/gemma-2b", 2.51),
+        ("google/gemma-7b", 8.54),
+        ("google/gemma-2-27b", 27.2),
+        ("google/gemma-3-1b-pt", 1.0),
+        ("google/gemma-3-4b-pt", 3.88),  # the language model of the 4.3B multimodal model
+        ("google/gemma-3-27b-pt", 27.0),
+        ("mistralai/Mixtral-8x7B-v0.1", 46.7),
+        ("mistralai/Mixtral-8x22B-v0.1", 140.6),
+        ("Qwen/Qwen2-72B", 72.7),
+        ("Qwen/Qwen2.5-3B", 3.09),
+        ("Qwen/Qwen2.5-14B", 14.7),
+        ("Qwen/Qwen2.5-32B", 32.5),
+        ("Qwen/Qwen3-0.6B", 0.6),
+        ("Qwen/Qwen3-8B", 8.19),
+        ("Qwen/Qwen3-32B", 32.8),
+        ("microsoft/Phi-3-mini-4k-instruct", 3.82),
+        ("microsoft/Phi-3-medium-4k-instruct", 14.0),
     ],
 )
 def test_known_model_sizes(model: str, billions: float) -> None:
     assert planning.KNOWN_MODELS[model].params / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_every_family_the_trainer_supports_is_in_the_table() -> None:
+    families = {model_id.split("/")[1].split("-")[0].lower() for model_id in planning.KNOWN_MODELS}
+    assert {"llama", "meta", "gemma", "mistral", "mixtral", "qwen2", "qwen2.5", "qwen3", "phi"} <= families
+
+
+def test_mixture_of_experts_flops_count_the_experts_a_token_runs() -> None:
+    mixtral = planning.KNOWN_MODELS["mistralai/Mixtral-8x7B-v0.1"]
+    # ~12.9B weights take part per token (two of eight experts), of 46.7B
+    assert mixtral.active_matmul_params / 1e9 == pytest.approx(12.9, rel=0.02)
+    dense = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    assert dense.flops_per_token(1024) == 6 * (dense.params - 128256 * 4096) + 12 * 32 * 4096 * 1024
+
+
+def test_plan_shows_the_global_batch_with_accumulation_and_the_step_compute() -> None:
+    run = ft(
+        training={
+            "maxSteps": 10,
+            "perDeviceBatchSize": 4,
+            "maxSeqLength": 1024,
+            "gradientAccumulationSteps": 2,
+        }
+    )
+    result = planning.plan(run, planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"])
+    assert result.global_batch == 4 * 16 * 2  # 2x2x4 = 16 chips
+    text = planning.format_plan(result, run)
+    assert "4 per chip x 16 chips x 2 accumulated = 128 sequences of 1024" in text
+    assert "459 TFLOP/s bf16" in text and "40% MFU" in text
+    assert result.flops_per_step == pytest.approx(result.flops_per_token * 128 * 1024)
 
 
 def test_dims_from_a_llama_config_match_the_table() -> None:

@@ -80,6 +80,15 @@ def test_no_jobset_yet_is_pending_creating() -> None:
     assert cond(status, "Valid")["status"] == "True"
 
 
+def test_global_batch_counts_chips_but_tensor_and_accumulation() -> None:
+    assert derive(finetune(), None)["globalBatch"] == 8 * 8  # the API's default batch per chip
+    recipe = finetune(
+        training={"maxSteps": 10, "perDeviceBatchSize": 2, "gradientAccumulationSteps": 4},
+        fsdp={"mesh": {"tensor": 2}},
+    )
+    assert derive(recipe, None)["globalBatch"] == 2 * (8 // 2) * 4
+
+
 def test_invalid_spec_is_failed_naming_the_field() -> None:
     status = derive(
         finetune(), None, spec_error=("spec.fsdp.mesh", "fsdp x tensor = 3 but the slice has 8 chips")

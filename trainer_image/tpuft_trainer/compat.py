@@ -23,13 +23,28 @@ log = logging.getLogger(__name__)
 
 # Breakage 2. torch >= 2.8 makes the Trainer's default optimizer fused AdamW, which raises
 # "RuntimeError: `fused=True` requires all the params to be floating point Tensors of supported devices"
-# for XLA tensors. These Trainer ``optim`` values run on XLA (get_fsdp_training_args sets one).
+# for XLA tensors. The ``xla_training_defaults`` patch makes adafactor the default under FSDPv2 (what
+# optimum-tpu's examples use); "adamw_torch" also runs on XLA.
+XLA_DEFAULT_OPTIMIZER = "adafactor"
 XLA_SAFE_OPTIMIZERS: tuple[str, ...] = ("adafactor", "adamw_torch")
 
 # Breakage 5. trl's SFTConfig defaults gradient_checkpointing=True, and the Trainer's checkpointing fails
 # under XLA with "AttributeError: module 'torch' has no attribute 'xla'". FSDPv2 checkpoints each
-# decoder block itself (xla_fsdp_grad_ckpt), so get_fsdp_training_args sets gradient_checkpointing=False.
+# decoder block itself (xla_fsdp_grad_ckpt), so the Trainer's own checkpointing defaults to off.
 TRAINER_GRADIENT_CHECKPOINTING = False
+
+# What XLA needs of TrainingArguments/SFTConfig under FSDPv2, filled in by ``xla_training_defaults`` for
+# every key the caller did not pass (optimum-tpu's get_fsdp_training_args returns only fsdp and
+# fsdp_config, and its tutorials pass dataloader_drop_last and optim themselves: a dict carrying them too
+# made Python raise "got multiple values for keyword argument").
+XLA_TRAINING_DEFAULTS: dict[str, Any] = {
+    # Every batch must have the same shape (one compiled graph) and split evenly over the mesh.
+    "dataloader_drop_last": True,
+    "optim": XLA_DEFAULT_OPTIMIZER,
+    # The new name: setting it keeps transformers from warning about the deprecated
+    # `gradient_checkpointing`, and it overrides SFTConfig's default of True.
+    "activation_checkpointing": TRAINER_GRADIENT_CHECKPOINTING,
+}
 
 # Breakage 6 (transformers 5.2 + bf16 + sdpa: dtype mismatch) is fixed in the pinned 5.24; nothing here.
 
@@ -231,7 +246,91 @@ def _batch_over_data_axes(original: Callable[..., Any]) -> Callable[..., Any]:
     return tpu_spmd_dataloader
 
 
-# ---- 6. our mesh wins over the Trainer's ---------------------------------------------------------
+# ---- 6. XLA's training defaults, overridable -----------------------------------------------------
+def _uses_fsdp_v2(kwargs: dict[str, Any]) -> bool:
+    fsdp_config = kwargs.get("fsdp_config")
+    return isinstance(fsdp_config, dict) and bool(fsdp_config.get("xla_fsdp_v2"))
+
+
+def check_xla_training_arguments(explicit: dict[str, Any]) -> None:
+    """Refuses values a caller chose that cannot run under FSDPv2, naming the argument and the fix."""
+    from tpuft_trainer.errors import ConfigError
+
+    optim = explicit.get("optim", "")
+    optim = str(getattr(optim, "value", optim))  # a string or transformers' OptimizerNames
+    if "fused" in optim:
+        raise ConfigError(
+            f"optim={optim!r} cannot run under xla_fsdp_v2: fused optimizers reject XLA tensors "
+            f"(RuntimeError: `fused=True` requires ... supported devices); use one of {XLA_SAFE_OPTIMIZERS}"
+        )
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if explicit.get(name):
+            raise ConfigError(
+                f"{name}=True cannot run under xla_fsdp_v2 (AttributeError: module 'torch' has no attribute "
+                "'xla'); FSDPv2 checkpoints each decoder block itself: set fsdp_config['xla_fsdp_grad_ckpt'] "
+                "(get_fsdp_training_args(model, gradient_checkpointing=True) does)"
+            )
+
+
+def _fill_xla_defaults(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if _uses_fsdp_v2(kwargs):
+            import dataclasses
+
+            # A dataclass default cannot tell an explicit value from an untouched one; the call can.
+            positional = [f.name for f in dataclasses.fields(type(self)) if f.init][: len(args)]
+            explicit = {**dict(zip(positional, args, strict=False)), **kwargs}
+            check_xla_training_arguments(explicit)
+            kwargs = {**{k: v for k, v in XLA_TRAINING_DEFAULTS.items() if k not in explicit}, **kwargs}
+            if "gradient_checkpointing" in explicit and "activation_checkpointing" not in explicit:
+                kwargs.pop("activation_checkpointing")  # the deprecated alias stands for the new name
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _training_arguments_class() -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments
+
+
+def _sft_config_class() -> Any:
+    # SFTConfig is a dataclass of its own: its generated __init__ does not call TrainingArguments'.
+    from trl import SFTConfig
+
+    return SFTConfig
+
+
+# ---- 7. packed rows without a host sync --------------------------------------------------------
+def _masking_module() -> Any:
+    import transformers.masking_utils
+
+    return transformers.masking_utils
+
+
+def _packed_indices_on_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        # transformers tests on the host whether the rows are packed at all ("(mask[:, -1] == 0).all()")
+        # unless it is tracing; an XLA tensor is not "tracing" to it, so every forward waited for the
+        # device. The check only saves a mask when nothing is packed: on XLA the mask is always returned
+        # (transformers' tracing path), which is also right for unpacked rows.
+        if getattr(position_ids, "device", None) is None or position_ids.device.type != "xla":
+            return original(position_ids)
+        module = _masking_module()
+        host_check = module.is_tracing
+        module.is_tracing = lambda tensor=None: True
+        try:
+            return original(position_ids)
+        finally:
+            module.is_tracing = host_check
+
+    return find_packed_sequence_indices
+
+
+# ---- 8. our mesh wins over the Trainer's ---------------------------------------------------------
 def _reinstall_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -277,6 +376,30 @@ PATCHES: list[Patch] = [
         _trainer_module,
         "tpu_spmd_dataloader",
         _batch_over_data_axes,
+    ),
+    Patch(
+        "xla_training_defaults",
+        "TrainingArguments(**get_fsdp_training_args(model)) trains with fused AdamW (RuntimeError: `fused=True` "
+        "requires ... supported devices); SFTConfig turns on the Trainer's checkpointing (AttributeError: module "
+        "'torch' has no attribute 'xla'); batches of another shape recompile",
+        _training_arguments_class,
+        "__init__",
+        _fill_xla_defaults,
+    ),
+    Patch(
+        "xla_training_defaults",
+        "the same, for trl's SFTConfig (a dataclass with its own __init__)",
+        _sft_config_class,
+        "__init__",
+        _fill_xla_defaults,
+    ),
+    Patch(
+        "packed_mask_on_device",
+        "every forward of packed rows (position ids, no attention mask) copies a tensor to the host to "
+        "decide whether they are packed (masking_utils.find_packed_sequence_indices): a device sync per step",
+        _masking_module,
+        "find_packed_sequence_indices",
+        _packed_indices_on_device,
     ),
     Patch(
         "mesh_wins",

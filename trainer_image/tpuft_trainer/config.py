@@ -47,6 +47,25 @@ class DatasetSource(_Strict):
     format: Literal["text", "chat"] = "text"
     text_field: str = "text"
     messages_field: str = "messages"
+    # Whole documents concatenated into rows of max_seq_length, isolated by position ids (packing.py).
+    packing: bool = False
+    # Loss on the assistant's turns only (chat.py). None: true for format chat; text has no turns.
+    assistant_only_loss: bool | None = None
+    # Evaluation rows: another split of the same source, or a fraction held out by training.seed.
+    eval_split: str | None = None
+    eval_fraction: float | None = Field(default=None, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DatasetSource:
+        if self.eval_split is not None and self.eval_fraction is not None:
+            raise ValueError("set at most one of eval_split and eval_fraction")
+        if self.assistant_only_loss and self.format != "chat":
+            raise ValueError("assistant_only_loss needs format chat (text rows have no assistant turns)")
+        return self
+
+    @property
+    def trains_on_assistant_only(self) -> bool:
+        return self.format == "chat" and self.assistant_only_loss is not False
 
 
 class MeshConfig(_Strict):
@@ -90,11 +109,24 @@ class TrainingConfig(_Strict):
     logging_steps: int = Field(default=1, ge=1)
     seed: int = 42
     lora: LoraConfig | None = None
+    # Evaluate every N steps (and always at the end when the dataset has evaluation rows).
+    eval_steps: int | None = Field(default=None, ge=1)
+    # Learning-rate schedule: warmup (steps, or a fraction of the run), then the scheduler's shape.
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_steps: int | None = Field(default=None, ge=0)
+    warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    # Clip the global gradient norm to this (0: no clipping). transformers' default.
+    max_grad_norm: float = Field(default=1.0, ge=0)
+    # Micro-batches per optimizer step: the step's batch is this x the global batch.
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingConfig:
         if self.max_steps is None and self.epochs is None:
             raise ValueError("one of max_steps or epochs is required")
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("set at most one of warmup_steps and warmup_ratio")
         return self
 
 
@@ -108,6 +140,8 @@ class WorldConfig(_Strict):
     slices: int = Field(default=1, ge=1)
     hosts_per_slice: int = Field(default=1, ge=1)
     chips_per_host: int = Field(default=1, ge=1)
+    # Peak dense bf16 FLOP/s of one chip (the operator's topology catalog), for the MFU estimate.
+    peak_flops_per_chip: float | None = Field(default=None, gt=0)
 
 
 class StopConfig(_Strict):

@@ -1,14 +1,17 @@
 """FSDPv2 (PyTorch/XLA SPMD) for a stock transformers ``Trainer`` or trl ``SFTTrainer``.
 
-The optimum-tpu usage, made complete::
+The optimum-tpu API, and its tutorials' calls, as written::
 
     use_fsdp_v2()
-    args = get_fsdp_training_args(model)
-    Trainer(model=model, args=TrainingArguments(output_dir=..., **args), train_dataset=ds).train()
+    fsdp_training_args = get_fsdp_training_args(model)   # {"fsdp": ..., "fsdp_config": {...}}, as optimum
+    Trainer(model=model, args=TrainingArguments(output_dir=..., optim="adafactor",
+            dataloader_drop_last=True, **fsdp_training_args), train_dataset=ds).train()
 
 ``use_fsdp_v2`` turns SPMD on and applies the workarounds in ``compat`` (each for a named upstream
-breakage); the returned dict carries every setting that XLA needs (optimizer, drop_last, checkpointing
-by FSDPv2 rather than by the Trainer), so nothing is left to the user.
+breakage). What XLA still needs of the arguments (drop_last, an optimizer that runs on XLA, the
+Trainer's own checkpointing off) is filled in by ``compat``'s ``xla_training_defaults`` for every key
+the caller leaves out, so ``TrainingArguments(**get_fsdp_training_args(model))`` alone works too; a
+chosen value that cannot work (a fused optimizer) is a ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -36,9 +39,6 @@ LAYER_CLASSES: dict[str, tuple[str, ...]] = {
     "phi3": ("Phi3DecoderLayer",),
     "phi": ("PhiDecoderLayer",),
 }
-
-# torch's fused AdamW (the Trainer's default on torch >= 2.8) rejects XLA tensors (compat.XLA_SAFE_OPTIMIZERS).
-DEFAULT_OPTIMIZER = "adafactor"
 
 
 def use_fsdp_v2() -> None:
@@ -110,38 +110,46 @@ def resolve_layer_classes(model: Any, layer_cls_to_wrap: Iterable[str] | str | N
     )
 
 
+def get_fsdp_config(*cls_to_wrap: str | Iterable[str], gradient_checkpointing: bool = True) -> dict[str, Any]:
+    """The ``fsdp_config`` of FSDPv2 for the given decoder-block class names (optimum-tpu's
+    ``get_fsdp_config(*cls_to_wrap)``, which its errors tell users to call for unknown models). Names are
+    not checked against a model here; ``get_fsdp_training_args`` checks them."""
+    names: list[str] = []
+    for item in cls_to_wrap:
+        names += [item] if isinstance(item, str) else list(item)
+    if not names:
+        raise ConfigError(
+            "get_fsdp_config() needs at least one decoder layer class name, e.g. 'LlamaDecoderLayer'"
+        )
+    return {
+        "transformer_layer_cls_to_wrap": names,
+        "xla": True,
+        "xla_fsdp_v2": True,
+        "xla_fsdp_grad_ckpt": gradient_checkpointing,
+    }
+
+
 def get_fsdp_training_args(
     model: Any,
     layer_cls_to_wrap: Iterable[str] | str | None = None,
     *,
     gradient_checkpointing: bool = True,
-    optim: str = DEFAULT_OPTIMIZER,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``TrainingArguments`` / ``SFTConfig`` that train ``model`` with FSDPv2.
+    """``fsdp`` and ``fsdp_config`` for ``TrainingArguments`` / ``SFTConfig`` that train ``model`` with
+    FSDPv2: the two keys optimum-tpu returns, so its tutorials' ``TrainingArguments(...,
+    dataloader_drop_last=True, optim=..., **args)`` works as written.
 
-    ``gradient_checkpointing`` is done by FSDPv2 per decoder block (``xla_fsdp_grad_ckpt``); the
-    Trainer's own ``activation_checkpointing`` stays off because it does not work under XLA
-    (``compat``: SFTConfig turns it on by default).
+    ``gradient_checkpointing`` is done by FSDPv2 per decoder block (``xla_fsdp_grad_ckpt``). The other
+    settings XLA needs come from ``compat.XLA_TRAINING_DEFAULTS`` when the caller does not pass them.
+    ``fsdp`` is ``True`` where optimum writes ``"full_shard"``: the same for transformers 5.24, without
+    its deprecation warning.
     """
-    if optim not in compat.XLA_SAFE_OPTIMIZERS:
-        raise ConfigError(
-            f"optimizer {optim!r} does not run on XLA here; use one of {compat.XLA_SAFE_OPTIMIZERS}"
-        )
     compat.apply()  # harmless if use_fsdp_v2() already did; covers users who set SPMD up themselves
     return {
         "fsdp": True,
-        "fsdp_config": {
-            "transformer_layer_cls_to_wrap": resolve_layer_classes(model, layer_cls_to_wrap),
-            "xla": True,
-            "xla_fsdp_v2": True,
-            "xla_fsdp_grad_ckpt": gradient_checkpointing,
-        },
-        "optim": optim,
-        # Every batch must have the same shape (one compiled graph) and split evenly over the mesh.
-        "dataloader_drop_last": True,
-        # The new name: setting it keeps transformers from warning about the deprecated
-        # `gradient_checkpointing`, and it overrides SFTConfig's default of True.
-        "activation_checkpointing": compat.TRAINER_GRADIENT_CHECKPOINTING,
+        "fsdp_config": get_fsdp_config(
+            resolve_layer_classes(model, layer_cls_to_wrap), gradient_checkpointing=gradient_checkpointing
+        ),
     }
 
 

@@ -31,6 +31,7 @@ class Snapshot:
     loss: float | None
     tokens_per_second: float | None
     eta_seconds: float | None
+    eval_loss: float | None = None
     # More status.progress fields, already in the API's camelCase (the attempt and its last save).
     details: Mapping[str, Any] = field(default_factory=dict)
 
@@ -43,6 +44,8 @@ class Snapshot:
             body["etaSeconds"] = round(self.eta_seconds)
         if self.tokens_per_second is not None:
             body["tokensPerSecond"] = round(self.tokens_per_second, 1)
+        if self.eval_loss is not None and math.isfinite(self.eval_loss):
+            body["evalLoss"] = round(self.eval_loss, 6)
         percent = 100 * self.step // self.total_steps if self.total_steps else 0
         body["summary"] = f"{self.step}/{self.total_steps} ({percent}%)"
         body["updateTime"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -53,6 +56,8 @@ class Snapshot:
         parts = [f"step {self.step}/{self.total_steps}"]
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
+        if self.eval_loss is not None:
+            parts.append(f"eval loss {self.eval_loss:.4f}")
         if self.tokens_per_second is not None:
             parts.append(f"{self.tokens_per_second:,.0f} tokens/s")
         if self.eta_seconds is not None:
@@ -78,7 +83,7 @@ class Meter:
         self._start_step: int | None = None
         self._start_time = 0.0
 
-    def update(self, step: int, loss: float | None) -> Snapshot:
+    def update(self, step: int, loss: float | None, eval_loss: float | None = None) -> Snapshot:
         now = self._clock()
         tokens_per_second = eta = None
         if self._start_step is None:
@@ -87,7 +92,7 @@ class Meter:
             steps_per_second = (step - self._start_step) / (now - self._start_time)
             tokens_per_second = steps_per_second * self.tokens_per_step
             eta = max(0, self.total_steps - step) / steps_per_second
-        return Snapshot(step, self.total_steps, loss, tokens_per_second, eta)
+        return Snapshot(step, self.total_steps, loss, tokens_per_second, eta, eval_loss)
 
 
 class Sink(Protocol):
@@ -205,6 +210,8 @@ def make_callback(
         # logging_steps steps, each with the loss of that step) and once more when training ends.
         def __init__(self) -> None:
             self.last_loss: float | None = None
+            self.last_eval_loss: float | None = None
+            self.ended = False
 
         def on_log(
             self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
@@ -213,13 +220,22 @@ def make_callback(
                 self.last_loss = float(logs["loss"])
                 self._emit(state, final=False)
 
+        def on_evaluate(
+            self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
+        ) -> None:
+            if metrics and "eval_loss" in metrics:
+                self.last_eval_loss = float(metrics["eval_loss"])
+                # The evaluation at the end comes after on_train_end: it is the last report then.
+                self._emit(state, final=self.ended)
+
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.ended = True
             self._emit(state, final=True)
 
         def _emit(self, state: Any, *, final: bool) -> None:
             if not is_rank_zero:
                 return
-            snapshot = meter.update(int(state.global_step), self.last_loss)
+            snapshot = meter.update(int(state.global_step), self.last_loss, self.last_eval_loss)
             snapshot = replace(snapshot, details=details())
             logger.info("progress: %s", snapshot.to_line())
             for sink in sinks:

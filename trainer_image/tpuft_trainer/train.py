@@ -6,6 +6,7 @@ program over all the devices, and only rank 0 writes files that are shared (the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -16,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpuft_trainer import data, fsdp_v2, storage
+from tpuft_trainer import data, evaluation, fsdp_v2, packing, recipe, storage, throughput
 from tpuft_trainer import mesh as mesh_module
 from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, process_start_time
 from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.errors import StoppedAfterCheckpoint
+from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
 from tpuft_trainer.world import World, check_runtime, detect_world
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 OPTIMIZERS = {"adafactor": "adafactor", "adamw": "adamw_torch"}
 METRICS_FILE = "tpuft-metrics.json"
+TENSORBOARD_DIR = "tensorboard"
 # Fault injection for tests (and chaos drills): SIGKILL this process at the end of that step, or in
 # the middle of that step's save (its files written, the completion marker not yet).
 KILL_AT_STEP_ENV = "TPUFT_FAULT_KILL_AT_STEP"
@@ -47,11 +49,25 @@ class RunRecord:
     resumed_from: str | None = None
     losses: dict[int, float] = field(default_factory=dict)
     compiles_after_step: dict[int, int] = field(default_factory=dict)
+    compiles_after_eval: dict[int, int] = field(default_factory=dict)
+    compiles_after_save: dict[int, int] = field(default_factory=dict)
     parameter_sharding: dict[str, str] = field(default_factory=dict)
     checkpointed_blocks: int = 0
     tensor_parallel_weights: int = 0
     final_step: int = 0
     seconds: float = 0.0
+    # Figures of this process's steps (a resumed run counts from its checkpoint on).
+    rows_per_step: int = 0  # global batch x gradient accumulation
+    tokens: int = 0  # positions processed (padding included)
+    loss_tokens: int | None = None  # positions that counted in the loss
+    loss_token_share: float = 0.0  # of the training rows' positions
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    learning_rates: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    tokens_per_second: float | None = None  # from the end of the first step (compilation) to the last
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step after the first
+    flops_per_token: float = 0.0  # model FLOPs, throughput.py
+    mfu: float | None = None  # an estimate: see throughput.py
     # This attempt in time (attempt.py): start-up, saves; the run's totals are in status.goodput.
     attempt: dict[str, Any] = field(default_factory=dict)
     # Set when SIGTERM stopped the run after a checkpoint: {step, reason, save_seconds, grace_seconds}.
@@ -124,36 +140,41 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     location = data.model_location(config.model)
     tokenizer = data.load_tokenizer(config.model, location)
     model = data.load_model(config.model, location)
+    if config.dataset.packing and (refusal := packing.packing_refusal(model)):
+        raise ConfigError(refusal)
     training = config.training
     if training.method == "lora":
         model = _add_lora(model, config)
+    flops = throughput.model_flops(model)
     global_batch = training.per_device_batch_size * shape.batch_ways
-    dataset = data.tokenize(
-        data.load_rows(config.dataset), tokenizer, config.dataset, training.max_seq_length, global_batch
-    )
+    dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
-        model,
-        config.fsdp.layer_cls_to_wrap,
-        gradient_checkpointing=config.fsdp.gradient_checkpointing,
-        optim=OPTIMIZERS[training.optimizer],
+        model, config.fsdp.layer_cls_to_wrap, gradient_checkpointing=config.fsdp.gradient_checkpointing
     )
-    trainer = _build_trainer(config, model, tokenizer, dataset, output, global_batch, fsdp_args)
+    trainer = _build_trainer(
+        config, model, tokenizer, dataset, eval_dataset, output, global_batch, fsdp_args, is_rank_zero
+    )
+    record.rows_per_step = global_batch * training.gradient_accumulation_steps
+    tokens_per_step = record.rows_per_step * training.max_seq_length
     total_steps = (
         trainer.args.max_steps
         if trainer.args.max_steps > 0
-        else _steps_for_epochs(config, dataset, global_batch)
+        else _steps_for_epochs(config, dataset, record.rows_per_step)
     )
-    meter = Meter(total_steps, tokens_per_step=global_batch * training.max_seq_length)
+    meter = Meter(total_steps, tokens_per_step=tokens_per_step)
     sinks: list[Any] = [LogBar(total_steps), StatusReporter(config.progress)] if is_rank_zero else []
     # The stop callback first: at a boundary where the hosts agree to stop, the final progress
     # report must already carry the save (on_save runs before on_train_end either way).
     trainer.add_callback(_stop_callback(stopper, attempt, config, env, is_rank_zero))
     trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero, details=attempt.to_status))
-    trainer.add_callback(_observer(record, env))
+    observer = _observer(record, config, env, is_rank_zero)
+    trainer.add_callback(observer)
+    counter = throughput.TokenCounter(trainer)
 
-    # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position).
+    # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position); a stop
+    # ends here with its checkpoint; else evaluate at the end unless the last step just did.
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except BaseException:
@@ -162,8 +183,16 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     stopper.close()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
+    _throughput(record, observer.step_times, counter, flops.per_token(training.max_seq_length))
+    record.mfu = throughput.mfu(
+        record.tokens_per_second, record.flops_per_token, devices, config.world.peak_flops_per_chip
+    )
     if stopper.decided is not None:
         _stopped(record, stopper, attempt, trainer, output, config, started, is_rank_zero)
+    if eval_dataset is not None and recipe.needs_final_evaluation(
+        training.eval_steps, trainer.state.global_step
+    ):
+        trainer.evaluate()
 
     # 7. The final model in the standard format (compat.reloadable_checkpoint does the gathering).
     trainer.save_model(str(output))
@@ -225,6 +254,43 @@ def _stopped(
     )
 
 
+def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord) -> tuple[Any, Any]:
+    """Training rows and evaluation rows (or None), tokenised to fixed-length rows, padded or packed."""
+    training = config.training
+    train_rows, eval_rows = evaluation.split(data.load_rows(config.dataset), config.dataset, training.seed)
+    dataset = data.tokenize(train_rows, tokenizer, config.dataset, training.max_seq_length, global_batch)
+    eval_dataset = None
+    if eval_rows is not None:
+        eval_dataset = data.tokenize(
+            eval_rows, tokenizer, config.dataset, training.max_seq_length, global_batch, what="evaluation set"
+        )
+    rows = data.figures(dataset)
+    record.loss_token_share = round(rows.loss_share, 4)
+    log.info(
+        "%d training rows of %d positions (%s); %.1f%% of the positions count in the loss%s",
+        rows.rows,
+        training.max_seq_length,
+        "packed" if config.dataset.packing else "padded",
+        100 * rows.loss_share,
+        f"; {len(eval_dataset)} evaluation rows" if eval_dataset is not None else "",
+    )
+    return dataset, eval_dataset
+
+
+def _throughput(
+    record: RunRecord, step_times: list[float], counter: throughput.TokenCounter, flops: float
+) -> None:
+    """Positions, loss tokens and rates of the steps this process ran (the first step compiles: rates
+    start at its end)."""
+    record.tokens = sum(counter.positions)
+    record.loss_tokens = counter.loss_tokens()
+    record.step_seconds = [round(b - a, 4) for a, b in itertools.pairwise(step_times)]
+    if len(step_times) > 1:
+        seconds = step_times[-1] - step_times[0]
+        record.tokens_per_second = round(sum(counter.positions[1:]) / seconds, 1)
+    record.flops_per_token = flops
+
+
 def _add_lora(model: Any, config: TrainerConfig) -> Any:
     from peft import LoraConfig, get_peft_model
 
@@ -241,10 +307,10 @@ def _add_lora(model: Any, config: TrainerConfig) -> Any:
     return get_peft_model(model, peft_config)
 
 
-def _steps_for_epochs(config: TrainerConfig, dataset: Any, global_batch: int) -> int:
+def _steps_for_epochs(config: TrainerConfig, dataset: Any, rows_per_step: int) -> int:
     import math
 
-    return max(1, math.ceil((config.training.epochs or 1) * (len(dataset) // global_batch)))
+    return max(1, math.ceil((config.training.epochs or 1) * (len(dataset) // rows_per_step)))
 
 
 def _build_trainer(
@@ -252,51 +318,68 @@ def _build_trainer(
     model: Any,
     tokenizer: Any,
     dataset: Any,
+    eval_dataset: Any,
     output: Path,
     global_batch: int,
     fsdp_args: dict[str, Any],
+    is_rank_zero: bool,
 ) -> Any:
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
     training = config.training
-    common: dict[str, Any] = dict(
+    args = TrainingArguments(
         output_dir=str(output),
         max_steps=training.max_steps or -1,
         num_train_epochs=training.epochs or 1.0,
         # Under SPMD one process feeds the whole mesh: the Trainer's "per device" batch is the global one.
         per_device_train_batch_size=global_batch,
         learning_rate=training.learning_rate,
+        optim=OPTIMIZERS[training.optimizer],
         logging_steps=training.logging_steps,
         save_strategy="steps" if training.save_steps else "no",
         save_steps=training.save_steps or 500,
         save_total_limit=training.keep_checkpoints,
         seed=training.seed,
         data_seed=training.seed,
-        report_to=[],
+        report_to=[],  # TensorBoard through its callback below, writing where we choose
         disable_tqdm=True,  # progress.LogBar draws the one bar, on rank 0
+        **recipe.training_arguments(training, global_batch=global_batch, evaluates=eval_dataset is not None),
         **fsdp_args,
     )
-    if config.dataset.format == "chat":
-        from trl import SFTConfig, SFTTrainer
-
-        # Already tokenised to a fixed length: SFTTrainer must not re-tokenise or pack.
-        args = SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True}, bf16=False, max_length=None)
-        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    from transformers import Trainer, TrainingArguments
-
+    # Text and chat alike: the rows are tokenised, labelled (assistant-only loss) and packed (position
+    # ids) already, so they are stacked as they are. trl's SFTTrainer would rebuild the position ids
+    # and add an attention mask (undoing packing), and it reads metrics to the host every step.
     return Trainer(
-        model=model, args=TrainingArguments(**common), train_dataset=dataset, processing_class=tokenizer
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        callbacks=[_tensorboard(output / TENSORBOARD_DIR)] if is_rank_zero else [],
     )
 
 
-def _observer(record: RunRecord, env: Mapping[str, str]) -> Any:
+def _tensorboard(directory: Path) -> Any:
+    """transformers' TensorBoard callback writing to ``<output>/tensorboard`` (uploaded with the output)."""
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    return TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(directory)))
+
+
+def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], is_rank_zero: bool) -> Any:
     """Records what tests and users want to know about the run: mesh in force, sharding, losses,
     compilation counts; and the fault-injection hook."""
     import torch_xla
-    import torch_xla.debug.metrics as met
     from transformers import TrainerCallback
 
     kill_at = int(env.get(KILL_AT_STEP_ENV, "0") or 0)
 
     class Observer(TrainerCallback):
+        def __init__(self) -> None:
+            self.step_times: list[float] = []  # monotonic time at the end of each step this process ran
+
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             import torch_xla.distributed.spmd as xs
 
@@ -316,17 +399,44 @@ def _observer(record: RunRecord, env: Mapping[str, str]) -> Any:
         def on_log(
             self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
         ) -> None:
+            step = int(state.global_step)
             if logs and "loss" in logs:
-                record.losses[int(state.global_step)] = float(logs["loss"])
+                record.losses[step] = float(logs["loss"])
+            if logs and "learning_rate" in logs:
+                record.learning_rates[step] = float(logs["learning_rate"])
+            if logs and "grad_norm" in logs:
+                record.grad_norms[step] = float(logs["grad_norm"])
+
+        def on_evaluate(
+            self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
+        ) -> None:
+            if metrics and "eval_loss" in metrics:
+                record.eval_losses[int(state.global_step)] = float(metrics["eval_loss"])
+            record.compiles_after_eval[int(state.global_step)] = _compile_count()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            compile_data = met.metric_data("CompileTime")
-            record.compiles_after_step[int(state.global_step)] = int(compile_data[0]) if compile_data else 0
+            self.step_times.append(time.monotonic())
+            record.compiles_after_step[int(state.global_step)] = _compile_count()
             if kill_at and state.global_step == kill_at:
                 log.warning("%s=%d: killing this process now", KILL_AT_STEP_ENV, kill_at)
                 os.kill(os.getpid(), signal.SIGKILL)
 
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # (The checkpoint itself is marked and uploaded by the stop callback, which runs first.)
+            record.compiles_after_save[int(state.global_step)] = _compile_count()
+            if is_rank_zero:
+                logs = Path(args.output_dir) / TENSORBOARD_DIR
+                if logs.is_dir():  # TensorBoard (and Vertex AI TensorBoard) read the events as they come
+                    storage.upload(logs, config.output.uri, TENSORBOARD_DIR)
+
     return Observer()
+
+
+def _compile_count() -> int:
+    import torch_xla.debug.metrics as met
+
+    compile_data = met.metric_data("CompileTime")
+    return int(compile_data[0]) if compile_data else 0
 
 
 def _stop_callback(

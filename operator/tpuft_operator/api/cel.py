@@ -181,7 +181,59 @@ def training_rules() -> list[Rule]:
             "fieldPath": ".lora",
             "reason": "FieldValueForbidden",
         },
+        {
+            "rule": "!has(self.warmupSteps) || !has(self.warmupRatio)",
+            "message": WARMUP_MESSAGE,
+            "fieldPath": ".warmupSteps",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "!has(self.warmupSteps) || !has(self.maxSteps) || self.warmupSteps < self.maxSteps",
+            "message": WARMUP_LENGTH_MESSAGE,
+            "fieldPath": ".warmupSteps",
+            "reason": "FieldValueInvalid",
+        },
     ]
+
+
+WARMUP_MESSAGE = "set at most one of warmupSteps and warmupRatio"
+WARMUP_LENGTH_MESSAGE = "warmupSteps must be fewer than maxSteps (the run would never reach learningRate)"
+EVAL_SOURCE_MESSAGE = "set at most one of evalSplit and evalFraction"
+EVAL_SPLIT_MESSAGE = "evalSplit must differ from split: evaluating on the training rows measures nothing"
+ASSISTANT_ONLY_MESSAGE = "assistantOnlyLoss applies only to format: chat (text rows have no assistant turns)"
+EVAL_STEPS_MESSAGE = "evalSteps needs evaluation rows: set dataset.evalSplit or dataset.evalFraction"
+
+
+def dataset_rules() -> list[Rule]:
+    return [
+        {
+            "rule": "!has(self.evalSplit) || !has(self.evalFraction)",
+            "message": EVAL_SOURCE_MESSAGE,
+            "fieldPath": ".evalSplit",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "!has(self.evalSplit) || self.evalSplit != (has(self.split) ? self.split : 'train')",
+            "message": EVAL_SPLIT_MESSAGE,
+            "fieldPath": ".evalSplit",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": "!has(self.assistantOnlyLoss) || !self.assistantOnlyLoss || (has(self.format) && self.format == 'chat')",
+            "message": ASSISTANT_ONLY_MESSAGE,
+            "fieldPath": ".assistantOnlyLoss",
+            "reason": "FieldValueForbidden",
+        },
+    ]
+
+
+def _eval_steps_rule() -> Rule:
+    return {
+        "rule": "!has(self.training.evalSteps) || has(self.dataset.evalSplit) || has(self.dataset.evalFraction)",
+        "message": EVAL_STEPS_MESSAGE,
+        "fieldPath": ".training.evalSteps",
+        "reason": "FieldValueRequired",
+    }
 
 
 # Fields of the spec that never change after creation, with whether they are optional (no default):
@@ -256,7 +308,12 @@ def _compilation_cache_rule() -> Rule:
 
 
 def spec_rules() -> list[Rule]:
-    rules: list[Rule] = [_mesh_rule(), _reserved_annotation_rule(), _compilation_cache_rule()]
+    rules: list[Rule] = [
+        _mesh_rule(),
+        _reserved_annotation_rule(),
+        _compilation_cache_rule(),
+        _eval_steps_rule(),
+    ]
     for field, optional in IMMUTABLE_FIELDS.items():
         if optional:
             rule = (

@@ -62,6 +62,20 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Latest loss.",
     },
     {
+        "name": "EvalLoss",
+        "type": "number",
+        "jsonPath": ".status.progress.evalLoss",
+        "priority": 1,
+        "description": "Latest evaluation loss.",
+    },
+    {
+        "name": "Tokens/s",
+        "type": "number",
+        "jsonPath": ".status.progress.tokensPerSecond",
+        "priority": 1,
+        "description": "Training throughput, all chips.",
+    },
+    {
         "name": "Goodput",
         "type": "number",
         "jsonPath": ".status.goodput.ratio",

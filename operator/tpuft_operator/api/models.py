@@ -97,6 +97,10 @@ class ModelSpec(_Spec):
 class DatasetSpec(_Spec):
     """The training data."""
 
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": cel.as_json(cel.dataset_rules())}
+    )
+
     name: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         description=(
             "A Hugging Face hub dataset id, a `gs://` URI, or an absolute path (file or directory of "
@@ -118,6 +122,41 @@ class DatasetSpec(_Spec):
     )
     messages_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
         default="messages", description="Field holding the messages list, for format `chat`."
+    )
+    packing: bool = Field(
+        default=False,
+        description=(
+            "Pack whole documents (rows of text, or conversations) into each sequence of maxSeqLength "
+            "instead of padding each one to it: on data shorter than the sequence, most of a padded step "
+            "is padding. Documents never attend to each other and no loss crosses their boundaries "
+            "(position ids restart per document). Supported for the Llama, Gemma, Mistral, Mixtral, Qwen "
+            "and Phi-3 families; others are refused."
+        ),
+    )
+    assistant_only_loss: bool | None = Field(
+        default=None,
+        description=(
+            "Format `chat` only: compute the loss on the assistant's turns alone, not on the system's and "
+            "user's. Default: true for chat. Uses the chat template's {% generation %} markers, or "
+            "renders each turn's prefix and checks the template is prefix-stable (a template that is "
+            "not fails the run with a data error; set false to train on every token)."
+        ),
+    )
+    eval_split: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
+        default=None,
+        description=(
+            "A split of the same dataset to evaluate on (e.g. `validation`). At most one of evalSplit "
+            "and evalFraction."
+        ),
+    )
+    eval_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=0.5,
+        description=(
+            "Hold out this fraction of the training rows for evaluation, chosen by training.seed (the "
+            "same rows on every restart). At most one of evalSplit and evalFraction."
+        ),
     )
 
 
@@ -270,6 +309,52 @@ class TrainingSpec(_Spec):
         description="Checkpoint every N steps (to output.uri). Default: at the end only.",
     )
     lora: LoraSpec | None = Field(default=None, description="LoRA settings; only with method `lora`.")
+    eval_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Evaluate every N steps (needs dataset.evalSplit or evalFraction). With evaluation rows the "
+            "run always evaluates at the end too."
+        ),
+    )
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
+        default="linear",
+        description=(
+            "Learning-rate schedule after warmup: `linear` decay to 0, `cosine` decay to 0, or `constant` "
+            "at learningRate."
+        ),
+    )
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000_000,
+        description="Steps of linear warmup from 0 to learningRate. At most one of warmupSteps and warmupRatio.",
+    )
+    warmup_ratio: float | None = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description="Warmup as a fraction of the run's steps (rounded up). At most one of warmupSteps and warmupRatio.",
+    )
+    weight_decay: float = Field(
+        default=0.0, ge=0, le=1, description="Decoupled weight decay of the optimizer (AdamW-style)."
+    )
+    max_grad_norm: float = Field(
+        default=1.0,
+        ge=0,
+        le=1_000_000,
+        description="Clip the global gradient norm to this before each update; 0 turns clipping off.",
+    )
+    gradient_accumulation_steps: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description=(
+            "Micro-batches per optimizer step: each step trains on this x perDeviceBatchSize x chips "
+            "sequences, for a larger batch than fits in memory at once."
+        ),
+    )
 
 
 class OutputSpec(_Spec):
@@ -533,6 +618,7 @@ class Progress(_Spec):
     total_steps: int | None = Field(default=None, ge=0, description="Steps the run will take in total.")
     loss: float | None = Field(default=None, description="Latest training loss.")
     tokens_per_second: float | None = Field(default=None, ge=0, description="Training throughput, all chips.")
+    eval_loss: float | None = Field(default=None, description="Latest evaluation loss (held-out rows).")
     eta_seconds: int | None = Field(default=None, ge=0, description="Estimated seconds to completion.")
     update_time: datetime | None = Field(default=None, description="When the trainer last reported.")
     summary: Annotated[str, StringConstraints(max_length=64)] | None = Field(
@@ -615,6 +701,14 @@ class TPUFineTuneStatus(_Spec):
     )
     chips: int | None = Field(default=None, ge=0, description="TPU chips in use (all slices).")
     hosts: int | None = Field(default=None, ge=0, description="TPU VMs (pods) in use (all slices).")
+    global_batch: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Sequences per optimizer step: perDeviceBatchSize x the chips the batch is split over (all but "
+            "the mesh's tensor axis) x gradientAccumulationSteps."
+        ),
+    )
     restarts: int | None = Field(default=None, ge=0, description="Restarts of the whole run so far.")
     start_time: datetime | None = Field(default=None, description="When training first started.")
     completion_time: datetime | None = Field(default=None, description="When the run succeeded or failed.")

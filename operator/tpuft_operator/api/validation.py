@@ -18,9 +18,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from tpuft_operator.api.cel import (
+    ASSISTANT_ONLY_MESSAGE,
     COMPILATION_CACHE_MESSAGE,
+    EVAL_SOURCE_MESSAGE,
+    EVAL_SPLIT_MESSAGE,
+    EVAL_STEPS_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
     RESERVED_ANNOTATIONS,
+    WARMUP_LENGTH_MESSAGE,
+    WARMUP_MESSAGE,
 )
 from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import TPU_RESOURCE, TopologyError, resolve
@@ -207,6 +213,7 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.training.lora", "lora settings apply only with method: lora"))
     if training.epochs is not None and not math.isfinite(training.epochs):
         errors.append(FieldError("spec.training.epochs", "must be a finite number"))
+    errors += _recipe_errors(spec)
 
     errors += _uri_or_path(spec.model.name, "spec.model.name", hub=True)
     errors += _uri_or_path(spec.dataset.name, "spec.dataset.name", hub=True)
@@ -252,6 +259,38 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
         for m in spec.volume_mounts or []
     ):
         errors.append(FieldError("spec.fsdp.compilationCachePath", COMPILATION_CACHE_MESSAGE))
+    return errors
+
+
+def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
+    """The cross-field rules of the recipe (the CEL rules of the same names, in Python)."""
+    errors: list[FieldError] = []
+    dataset, training = spec.dataset, spec.training
+    if dataset.eval_split is not None and dataset.eval_fraction is not None:
+        errors.append(FieldError("spec.dataset.evalSplit", EVAL_SOURCE_MESSAGE))
+    if dataset.eval_split is not None and dataset.eval_split == dataset.split:
+        errors.append(FieldError("spec.dataset.evalSplit", EVAL_SPLIT_MESSAGE))
+    if dataset.assistant_only_loss and dataset.format != "chat":
+        errors.append(FieldError("spec.dataset.assistantOnlyLoss", ASSISTANT_ONLY_MESSAGE))
+    if training.eval_steps is not None and dataset.eval_split is None and dataset.eval_fraction is None:
+        errors.append(FieldError("spec.training.evalSteps", EVAL_STEPS_MESSAGE))
+    if training.warmup_steps is not None and training.warmup_ratio is not None:
+        errors.append(FieldError("spec.training.warmupSteps", WARMUP_MESSAGE))
+    elif (
+        training.warmup_steps is not None
+        and training.max_steps is not None
+        and training.warmup_steps >= training.max_steps
+    ):
+        errors.append(FieldError("spec.training.warmupSteps", WARMUP_LENGTH_MESSAGE))
+    for name, value in (
+        ("evalFraction", dataset.eval_fraction),
+        ("warmupRatio", training.warmup_ratio),
+        ("weightDecay", training.weight_decay),
+        ("maxGradNorm", training.max_grad_norm),
+    ):
+        if value is not None and not math.isfinite(value):
+            section = "dataset" if name == "evalFraction" else "training"
+            errors.append(FieldError(f"spec.{section}.{name}", "must be a finite number"))
     return errors
 
 

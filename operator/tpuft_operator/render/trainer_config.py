@@ -61,6 +61,10 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             format=spec.dataset.format,
             text_field=spec.dataset.text_field,
             messages_field=spec.dataset.messages_field,
+            packing=spec.dataset.packing,
+            assistant_only_loss=spec.dataset.assistant_only_loss,
+            eval_split=spec.dataset.eval_split,
+            eval_fraction=spec.dataset.eval_fraction,
         ),
         fsdp=FsdpConfig(
             layer_cls_to_wrap=spec.fsdp.layer_cls_to_wrap,
@@ -78,10 +82,20 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             optimizer=training.optimizer,
             save_steps=training.save_steps,
             lora=lora,
+            eval_steps=training.eval_steps,
+            lr_scheduler=training.lr_scheduler,
+            warmup_steps=training.warmup_steps,
+            warmup_ratio=training.warmup_ratio,
+            weight_decay=training.weight_decay,
+            max_grad_norm=training.max_grad_norm,
+            gradient_accumulation_steps=training.gradient_accumulation_steps,
         ),
         output=OutputConfig(uri=spec.output.uri),
         world=WorldConfig(
-            slices=shape.slices, hosts_per_slice=shape.hosts_per_slice, chips_per_host=shape.chips_per_host
+            slices=shape.slices,
+            hosts_per_slice=shape.hosts_per_slice,
+            chips_per_host=shape.chips_per_host,
+            peak_flops_per_chip=shape.family.peak_bf16_tflops_per_chip * 1e12,
         ),
         progress=ProgressConfig(
             namespace=ft.metadata.namespace,
