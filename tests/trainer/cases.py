@@ -238,6 +238,23 @@ def compat_needed() -> dict[str, Any]:
 
     attempt("optimizer_before_scheduler", lambda: trainer(tiny.model()).train())
 
+    def second_optimizer_copy() -> str:
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        def compiles() -> int:
+            data = met.metric_data("CompileTime")
+            return int(data[0]) if data else 0
+
+        t = trainer(tiny.model())
+        t.train()
+        xm._maybe_convert_to_cpu(t.optimizer.state_dict())  # what xm.save does at every checkpoint
+        before = compiles()
+        xm._maybe_convert_to_cpu(t.optimizer.state_dict())
+        return f"compiles at the second copy={compiles() - before}"
+
+    attempt("gathers_compiled_once", second_optimizer_copy)
+
     def save_unpatched() -> str:
         t = trainer(tiny.model())
         t.train()

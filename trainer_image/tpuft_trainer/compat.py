@@ -64,6 +64,54 @@ def _is_spmd_fsdp(model: Any) -> bool:
     return isinstance(model, SpmdFullyShardedDataParallel)
 
 
+# Replicated bytes (per device) one gathering graph may hold: every device holds the whole group at
+# once, next to its shards of the model and optimizer.
+GATHER_GROUP_BYTES = 1 << 30
+
+
+def _is_sharded(tensor: Any) -> bool:
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
+
+
+def cpu_copies(tensors: list[Any]) -> list[Any]:
+    """CPU copies of XLA tensors; every process must call it (gathering shards is a collective).
+
+    Breakage 8 (torch_xla 2.9): fetching a *sharded* tensor to the host compiles a replication graph
+    for that tensor every time (PjRt ReplicateShardedData, uncached): a checkpoint of a model with P
+    sharded parameters compiled ~3 P graphs (weights, two optimizer moments) at every save, which on
+    a TPU is minutes of each save. Here the sharded tensors are re-annotated as replicated in groups
+    of up to GATHER_GROUP_BYTES, one graph per group: the same graphs at every save, so compiled once
+    and cached; the replicated results then copy to the host without compiling anything."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh()
+    ready = list(tensors)
+    if mesh is None:  # no SPMD mesh: nothing is sharded
+        return list(torch_xla._XLAC._xla_get_cpu_tensors(ready))
+    sharded = [i for i, t in enumerate(tensors) if _is_sharded(t)]
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in sharded:
+        nbytes = tensors[i].numel() * tensors[i].element_size()
+        if groups[-1] and size + nbytes > GATHER_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    for group in groups:
+        if not group:
+            continue
+        for i in group:
+            replica = tensors[i].detach() * 1  # a new value, free of the parameter's own sharding
+            xs.mark_sharding(replica, mesh, (None,) * replica.dim())
+            ready[i] = replica
+        torch_xla.sync()
+    return list(torch_xla._XLAC._xla_get_cpu_tensors(ready))
+
+
 def gather_state_dict(model: Any) -> dict[str, Any]:
     """The full (unsharded) state dict on CPU with the original parameter names. Every process must
     call it: fetching a sharded tensor replicates it over the mesh first (a collective)."""
@@ -71,12 +119,10 @@ def gather_state_dict(model: Any) -> dict[str, Any]:
     import torch_xla
 
     torch_xla.sync()
-    state: dict[str, Any] = {}
-    for key, value in model.state_dict().items():
-        state[_strip_wrapper_prefixes(key)] = (
-            value.detach().to("cpu") if isinstance(value, torch.Tensor) else value
-        )
-    return state
+    items = list(model.state_dict().items())
+    on_device = [i for i, (_, value) in enumerate(items) if isinstance(value, torch.Tensor)]
+    copies = dict(zip(on_device, cpu_copies([items[i][1].detach() for i in on_device]), strict=True))
+    return {_strip_wrapper_prefixes(key): copies.get(i, value) for i, (key, value) in enumerate(items)}
 
 
 def _is_peft(module: Any) -> bool:
@@ -163,6 +209,33 @@ def _trainer_class() -> Any:
     from transformers import Trainer
 
     return Trainer
+
+
+def _xla_model_module() -> Any:
+    import torch_xla.core.xla_model
+
+    return torch_xla.core.xla_model
+
+
+# ---- 8. gathers compiled once --------------------------------------------------------------------
+def _grouped_host_copies(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _maybe_convert_to_cpu(data: Any, convert: bool = True) -> Any:
+        # xm.save (the Trainer's optimizer and scheduler states) copies through this; see cpu_copies.
+        import torch
+        import torch_xla
+        from torch_xla.core.xla_model import ToXlaTensorArena, is_xla_tensor
+
+        def convert_fn(tensors: list[Any]) -> list[Any]:
+            torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+            return cpu_copies(tensors) if convert else tensors
+
+        def select_fn(value: Any) -> bool:
+            return type(value) is torch.Tensor and bool(is_xla_tensor(value))
+
+        return ToXlaTensorArena(convert_fn, select_fn).transform(data)
+
+    return _maybe_convert_to_cpu
 
 
 def _trainer_module() -> Any:
@@ -345,6 +418,14 @@ def _reinstall_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 PATCHES: list[Patch] = [
+    Patch(
+        "gathers_compiled_once",
+        "every checkpoint save compiles one replication graph per sharded tensor again (torch_xla 2.9 "
+        "ReplicateShardedData is uncached): ~3 graphs per parameter at every save",
+        _xla_model_module,
+        "_maybe_convert_to_cpu",
+        _grouped_host_copies,
+    ),
     Patch(
         "optimizer_before_scheduler",
         "AttributeError: 'NoneType' object has no attribute 'param_groups' (Trainer.create_scheduler, "
