@@ -23,10 +23,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
+from tpuft_operator.cluster.executor import LocalExecutor
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import OperatorProcess, install_operator
-from tpuft_operator.demo import build_assets
+from tpuft_operator.demo import build_assets, host_run
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_trainer.storage import COMPLETE
 
@@ -41,30 +41,16 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ ")
 
 
 def run_body(name: str, root: Path, steps: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"name": f"{root}/model", "dtype": "float32"},
-            "dataset": {"name": f"{root}/data/train.jsonl"},
-            "tpu": {"type": "v5e", "topology": "2x2"},
-            "fsdp": {"gradientCheckpointing": False},
-            "training": {
-                "maxSteps": steps,
-                "learningRate": 1e-3,
-                "perDeviceBatchSize": 2,
-                "maxSeqLength": 32,
-                "optimizer": "adamw",
-                "saveSteps": SAVE_STEPS,  # bounds what the SIGKILL loses
-            },
-            "output": {"uri": f"{root}/output-{name}"},
-            "maxRestarts": 1,  # the SIGKILL counts; the checkpointed stops must not
-            "volumes": [{"name": "work", "hostPath": {"path": str(root), "type": "Directory"}}],
-            "volumeMounts": [{"name": "work", "mountPath": str(root)}],
-            "podAnnotations": run_on_host_annotations(),
-        },
-    }
+    body = host_run(
+        name,
+        NAMESPACE,
+        root,
+        steps,
+        output=f"output-{name}",
+        maxRestarts=1,  # the SIGKILL counts; the checkpointed stops must not
+    )
+    body["spec"]["training"]["saveSteps"] = SAVE_STEPS  # bounds what the SIGKILL loses
+    return body
 
 
 class Run:

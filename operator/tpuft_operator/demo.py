@@ -70,6 +70,38 @@ with open(root + "/data/train.jsonl", "w") as out:
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
+def host_run(
+    name: str, namespace: str, root: Path, steps: int, *, output: str = "output", **spec: Any
+) -> dict[str, Any]:
+    """A TPUFineTune of the tiny model and data `build_assets` made in ``root``, whose pods the local
+    executor runs on this machine (the tests and benchmarks that train for real through the
+    operator); ``spec`` overrides top-level spec fields."""
+    return {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": f"{root}/model", "dtype": "float32"},
+            "dataset": {"name": f"{root}/data/train.jsonl"},
+            "tpu": {"type": "v5e", "topology": "2x2"},
+            "fsdp": {"gradientCheckpointing": False},
+            "training": {
+                "maxSteps": steps,
+                "learningRate": 1e-3,
+                "perDeviceBatchSize": 2,
+                "maxSeqLength": 32,
+                "optimizer": "adamw",
+            },
+            "output": {"uri": f"{root}/{output}"},
+            "maxRestarts": 0,
+            "volumes": [{"name": "work", "hostPath": {"path": str(root), "type": "Directory"}}],
+            "volumeMounts": [{"name": "work", "mountPath": str(root)}],
+            "podAnnotations": run_on_host_annotations(),
+            **spec,
+        },
+    }
+
+
 def demo_resource() -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"]["namespace"] = NAMESPACE

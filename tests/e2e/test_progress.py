@@ -12,37 +12,15 @@ import pytest
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.support import get_json, patch_status_as, wait_for
-from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
+from tpuft_operator.cluster.executor import LocalExecutor
 from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.demo import build_assets
+from tpuft_operator.demo import build_assets, host_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
 
 
 def tiny_run(name: str, namespace: str, root: Path, steps: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": {"name": f"{root}/model", "dtype": "float32"},
-            "dataset": {"name": f"{root}/data/train.jsonl"},
-            "tpu": {"type": "v5e", "topology": "2x2"},
-            "fsdp": {"gradientCheckpointing": False},
-            "training": {
-                "maxSteps": steps,
-                "learningRate": 1e-3,
-                "perDeviceBatchSize": 2,
-                "maxSeqLength": 32,
-                "optimizer": "adamw",
-            },
-            "output": {"uri": f"{root}/output"},
-            "maxRestarts": 0,
-            "volumes": [{"name": "work", "hostPath": {"path": str(root), "type": "Directory"}}],
-            "volumeMounts": [{"name": "work", "mountPath": str(root)}],
-            "podAnnotations": run_on_host_annotations(),
-        },
-    }
+    return host_run(name, namespace, root, steps)
 
 
 def test_progress_from_a_real_training_run_reaches_status(

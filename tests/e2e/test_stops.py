@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,55 +61,66 @@ def assert_goodput_adds_up(goodput: dict[str, Any]) -> None:
     assert abs(total - goodput["wallSeconds"]) < 0.5, goodput
 
 
-def test_suspend_then_resume_continues_from_the_suspend_step(
-    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
-) -> None:
+@dataclass
+class Host:
+    """This machine as a TPU host: the tiny model's files, the run's output, the executor."""
+
+    root: Path
+    output: Path
+    pods: Path  # the trainer processes' logs, one file per pod
+    executor: LocalExecutor
+
+
+@pytest.fixture
+def host(local_cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
     root = tmp_path / "work"
     build_assets(root)
     local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
-    output = root / "output"
     executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
     executor.start()
     try:
-        local_cluster.apply([tiny_run("pausable", namespace, root, steps=150)])  # no saveSteps
-        wait_for(
-            lambda: step_of(local_cluster, "pausable", namespace) >= 15,
-            timeout=300,
-            what="training to pass step 15",
-            interval=0.5,
-        )
-        patch = '{"spec":{"suspend":true}}'
-        local_cluster.kubectl("patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", patch)
-        suspended_at = step_of(local_cluster, "pausable", namespace)
-
-        def saved_and_suspended() -> bool:
-            status = status_of(local_cluster, "pausable", namespace)
-            return (
-                status.get("phase") == "Suspended"
-                and bool(complete_checkpoints(output))
-                and not executor.logs()
-            )
-
-        wait_for(
-            saved_and_suspended, timeout=120, what="the stop's checkpoint and phase Suspended", interval=0.5
-        )
-        (saved,) = complete_checkpoints(output)
-        logs = pod_logs(tmp_path / "pods")
-        assert f"stopped at step {saved} after saving checkpoint-{saved} (SIGTERM)" in logs, logs[-3000:]
-        assert saved >= suspended_at  # the step it reached, not an older one
-        time.sleep(3)  # suspended for a while: the gap shows in status.goodput
-        patch = '{"spec":{"suspend":false}}'
-        local_cluster.kubectl("patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", patch)
-        done = wait_for(
-            lambda: finished(local_cluster, "pausable", namespace),
-            timeout=420,
-            what="the resumed run to finish",
-            interval=1,
-        )
-        logs = pod_logs(tmp_path / "pods")
-        assert done["phase"] == "Succeeded", logs[-3000:]
+        yield Host(root, root / "output", tmp_path / "pods", executor)
     finally:
         executor.stop()
+
+
+def test_suspend_then_resume_continues_from_the_suspend_step(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, host: Host
+) -> None:
+    root, output, executor = host.root, host.output, host.executor
+    local_cluster.apply([tiny_run("pausable", namespace, root, steps=150)])  # no saveSteps
+    wait_for(
+        lambda: step_of(local_cluster, "pausable", namespace) >= 15,
+        timeout=300,
+        what="training to pass step 15",
+        interval=0.5,
+    )
+    patch = '{"spec":{"suspend":true}}'
+    local_cluster.kubectl("patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", patch)
+    suspended_at = step_of(local_cluster, "pausable", namespace)
+
+    def saved_and_suspended() -> bool:
+        status = status_of(local_cluster, "pausable", namespace)
+        return (
+            status.get("phase") == "Suspended" and bool(complete_checkpoints(output)) and not executor.logs()
+        )
+
+    wait_for(saved_and_suspended, timeout=120, what="the stop's checkpoint and phase Suspended", interval=0.5)
+    (saved,) = complete_checkpoints(output)
+    logs = pod_logs(host.pods)
+    assert f"stopped at step {saved} after saving checkpoint-{saved} (SIGTERM)" in logs, logs[-3000:]
+    assert saved >= suspended_at  # the step it reached, not an older one
+    time.sleep(3)  # suspended for a while: the gap shows in status.goodput
+    patch = '{"spec":{"suspend":false}}'
+    local_cluster.kubectl("patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", patch)
+    done = wait_for(
+        lambda: finished(local_cluster, "pausable", namespace),
+        timeout=420,
+        what="the resumed run to finish",
+        interval=1,
+    )
+    logs = pod_logs(host.pods)
+    assert done["phase"] == "Succeeded", logs[-3000:]
 
     record = json.loads((output / "tpuft-metrics.json").read_text())
     assert record["resumed_from"] == f"checkpoint-{saved}"
@@ -126,14 +139,9 @@ def test_suspend_then_resume_continues_from_the_suspend_step(
 
 
 def test_maintenance_checkpoints_before_the_announced_time_and_the_restart_is_free(
-    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, host: Host
 ) -> None:
-    root = tmp_path / "work"
-    build_assets(root)
-    local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
-    output = root / "output"
-    executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
-    executor.start()
+    root, output = host.root, host.output
     body = tiny_run("maintained", namespace, root, steps=150)
     assert body["spec"]["maxRestarts"] == 0  # so a restart that counted would fail the run
     node = ""
@@ -189,7 +197,7 @@ def test_maintenance_checkpoints_before_the_announced_time_and_the_restart_is_fr
         def stopped_with_a_checkpoint() -> bool:
             return len(complete_checkpoints(output)) > len(
                 before_drain
-            ) and "after saving checkpoint-" in pod_logs(tmp_path / "pods")
+            ) and "after saving checkpoint-" in pod_logs(host.pods)
 
         wait_for(stopped_with_a_checkpoint, timeout=120, what="the drain's checkpoint", interval=0.5)
         drain_saved = complete_checkpoints(output)[-1]
@@ -203,10 +211,9 @@ def test_maintenance_checkpoints_before_the_announced_time_and_the_restart_is_fr
             what="the restarted run to finish",
             interval=1,
         )
-        logs = pod_logs(tmp_path / "pods")
+        logs = pod_logs(host.pods)
         assert done["phase"] == "Succeeded", (done.get("message"), logs[-3000:])
     finally:
-        executor.stop()
         if node:
             local_cluster.kubectl("uncordon", node, check=False)
 
