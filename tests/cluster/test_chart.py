@@ -36,7 +36,7 @@ NAMESPACED = {
     "serviceaccounts": {"get", "create"},
     "roles.rbac.authorization.k8s.io": {"get", "create"},
     "rolebindings.rbac.authorization.k8s.io": {"get", "create"},
-    "events": {"create"},
+    "events": {"create", "list"},  # list: the Job controller's FailedCreate events (refused pods)
 }
 CLUSTER_ONLY = {
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
