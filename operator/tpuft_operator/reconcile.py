@@ -168,15 +168,21 @@ class Reconciler:
         desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
         result: RenderedRun | SpecError
         try:
-            ft = parse(desired)
-            broken = policy_errors(ft, self.policy, self.render_settings.trainer_image)
-            if broken:
-                raise SpecError.of([FieldError(path, reason) for path, reason in broken])
-            result = render_run(ft, self.render_settings)
+            result = render_run(desired, self.render_settings)
         except SpecError as error:
             result = error
         self._renders[key] = (uid, generation, result)
         return result
+
+    def _check_policy(self, finetune: Obj) -> SpecError | None:
+        """The admin policy's verdict on a run about to get its JobSet (api/policy.py), as the
+        admission policy gives it at creation: a run admitted before the policy was tightened keeps
+        running (and is judged again only if its JobSet has to be recreated)."""
+        desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
+        broken = policy_errors(parse(desired), self.policy, self.render_settings.trainer_image)
+        if not broken:
+            return None
+        return SpecError.of([FieldError(path, reason) for path, reason in broken])
 
     def _keep_only_shape(self, key: tuple[str, str]) -> None:
         cached = self._renders.get(key)
@@ -301,6 +307,8 @@ class Reconciler:
         shape: SliceShape | None = None
         spec_error: tuple[str, str] | None = None
         result = self._render(key, finetune, full=jobset is None)
+        if jobset is None and not isinstance(result, SpecError):
+            result = self._check_policy(finetune) or result
         if isinstance(result, SpecError):
             spec_error = (result.field, result.reason)
         elif isinstance(result, RenderedRun):

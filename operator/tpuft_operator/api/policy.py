@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.validation import VOLUME_SOURCES
 from tpuft_operator.render.naming import TRAINER_SERVICE_ACCOUNT
 from tpuft_operator.topology import resolve
 
@@ -164,7 +165,7 @@ def policy_errors(ft: TPUFineTune, policy: AdminPolicy, trainer_image: str) -> l
     ):
         errors.append(("spec.serviceAccountName", account_message(account, policy.service_accounts)))
     for i, volume in enumerate(spec.volumes or []):
-        for kind in sorted(k for k in volume if k != "name"):
+        for kind in sorted(k for k in volume if k in VOLUME_SOURCES):  # validation judges the rest
             if kind not in policy.volume_types:
                 errors.append((f"spec.volumes[{i}].{kind}", volume_message(kind, policy.volume_types)))
         for path, secret in _volume_secrets(volume):
@@ -300,7 +301,8 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
     change afterwards (only spec.suspend may, CRD rule), and a tightened policy must not freeze the
     suspend switch of runs admitted before."""
     v = "variables"
-    volume_ok = f"v.all(k, k == 'name' || k in {v}.volumeTypes)"
+    sources = _cel_list(sorted(VOLUME_SOURCES))  # other keys are the CRD's and validation's concern
+    volume_ok = f"v.all(k, !(k in {sources}) || k in {v}.volumeTypes)"
     volume_secrets_ok = (
         f"(!has(v.secret) || {_listed_cel('v.secret.secretName', f'{v}.secrets')})"
         " && (!has(v.projected) || !has(v.projected.sources) || v.projected.sources.all(s, "
@@ -346,7 +348,7 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
 
     volume_index = _first_index("object.spec.volumes", f"{v}.badVolumes")
     bad_volume = f"{v}.badVolumes[0]"
-    bad_kind = f"{bad_volume}.filter(k, k != 'name' && !(k in {v}.volumeTypes))[0]"
+    bad_kind = f"{bad_volume}.filter(k, k in {sources} && !(k in {v}.volumeTypes))[0]"
     validations = [
         check(
             f"request.namespace != {v}.operatorNamespace",
