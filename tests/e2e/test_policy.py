@@ -11,8 +11,9 @@ own namespace. The operator is installed four ways, as an admin would configure 
 2. defaults without the admission policy (policy.admission=false) and requireQueueName: the
    operator fails every attack itself (Valid=False, InvalidSpec, the field named), creating nothing;
 3. the same with the admission policy: a run without spec.queueName is refused at create;
-4. every rule loosened, trainerSecurity.restricted on: the attacks are accepted and run (kwok pods
-   Running), and a run in the restricted namespace runs with a restricted pod.
+4. every rule loosened, trainerSecurity.restricted and networkPolicy.trainers on: the attacks are
+   accepted and run (kwok pods Running), a run in the restricted namespace runs with a restricted
+   pod, and each run gets its NetworkPolicy (admitted by the apiserver; kwok enforces none).
 
 The session's operator (tests/e2e/conftest.py) is stopped meanwhile and restored afterwards.
 """
@@ -64,6 +65,10 @@ LOOSENED = (
     "policy.maxChipsPerRun=512",
     "--set",
     "trainerSecurity.restricted=true",
+    "--set",
+    "networkPolicy.enabled=true",
+    "--set",
+    "networkPolicy.trainers=true",
 )
 
 
@@ -207,6 +212,7 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
         "--field-selector=involvedObject.name=pss,reason=ReplicaFailure",
     )["items"]
     assert events and events[0]["type"] == "Warning"
+    assert not get_json(local_cluster, "networkpolicies", "-n", restricted)["items"]  # off by default
 
 
 def test_without_the_admission_policy_the_operator_fails_every_attack_naming_the_field(
@@ -338,3 +344,18 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     assert any("hostPath" in v for v in pods["policy-host-path-root"]["spec"]["volumes"])
     env = {e["name"] for e in pods["policy-hf-endpoint"]["spec"]["containers"][0]["env"]}
     assert "HF_ENDPOINT" in env
+    # networkPolicy.trainers: each run's pods accept connections only from the same run's pods.
+    policies = {
+        p["metadata"]["ownerReferences"][0]["name"]: p
+        for p in get_json(local_cluster, "networkpolicies", "-n", namespace)["items"]
+    }
+    assert set(small) <= set(policies), sorted(policies)
+    uid = get_json(local_cluster, "tpuft", "policy-hf-endpoint", "-n", namespace)["metadata"]["uid"]
+    own = {"matchLabels": {"tpuft.dev/finetune-uid": uid}}
+    spec = policies["policy-hf-endpoint"]["spec"]
+    assert spec == {
+        "podSelector": own,
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": own}]}],
+    }
+    assert pods["policy-hf-endpoint"]["metadata"]["labels"]["tpuft.dev/finetune-uid"] == uid

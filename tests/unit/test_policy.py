@@ -203,3 +203,57 @@ def test_the_operator_refuses_a_run_the_policy_forbids_before_creating_anything(
     )  # type: ignore[arg-type]
     loosened.reconcile(body, None, [], event=Events())
     assert ("create", "JobSet") in loosened.api.calls  # type: ignore[attr-defined]
+
+
+def test_the_restricted_user_is_the_trainer_images_user() -> None:
+    """trainerSecurity.runAsUser must be the image's numeric USER: a pod running as another uid
+    could not write the image's HF_HOME and caches."""
+    values = yaml.safe_load((ROOT / "charts" / "tpuft" / "values.yaml").read_text())["trainerSecurity"]
+    users = [
+        line.split()[1]
+        for line in (ROOT / "trainer_image" / "Dockerfile").read_text().splitlines()
+        if line.startswith("USER ")
+    ]
+    assert users and users[-1].split(":") == [str(values["runAsUser"])] * 2
+    assert values["restricted"] is False  # off until GKE documents non-root TPU device access
+
+
+def test_a_run_gets_its_network_policy_only_when_asked_and_only_with_a_uid() -> None:
+    from tpuft_operator.render import render_run
+
+    obj = run()
+    obj["metadata"]["uid"] = "0b7e4a3e-0000-4000-8000-000000000001"
+    assert [o["kind"] for o in render_run(obj).objects] == ["JobSet"]
+    kinds = [o["kind"] for o in render_run(obj, RenderSettings(network_policy=True)).objects]
+    assert kinds == ["NetworkPolicy", "JobSet"]  # before the pods exist
+    (policy, _) = render_run(obj, RenderSettings(network_policy=True)).objects
+    own = {"matchLabels": {"tpuft.dev/finetune-uid": obj["metadata"]["uid"]}}
+    assert policy["spec"]["podSelector"] == own and policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": own}]}
+    ]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    del obj["metadata"]["uid"]
+    assert [o["kind"] for o in render_run(obj, RenderSettings(network_policy=True)).objects] == ["JobSet"]
+
+
+def test_restricted_trainer_pods_meet_the_restricted_standard() -> None:
+    from tpuft_operator.render import render_run
+
+    pod = render_run(run(), RenderSettings(run_as_user=1000)).jobset["spec"]["replicatedJobs"][0]["template"][
+        "spec"
+    ]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+    }
+    container = pod["containers"][0]["securityContext"]
+    assert container == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert OperatorSettings(run_as_user=1000).render_settings().run_as_user == 1000
+    assert OperatorSettings().render_settings().run_as_user is None
