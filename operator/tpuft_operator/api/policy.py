@@ -258,13 +258,18 @@ PARAMETERS = (
 
 
 def cel_parameters(policy: AdminPolicy, trainer_image: str) -> dict[str, str]:
-    """The admission policy's parameters for ``policy``: what the chart renders from its values."""
+    """The admission policy's parameters for ``policy``: what the chart renders from its values
+    (compact JSON, as helm's toJson writes it)."""
+
+    def literal(values: Sequence[str]) -> str:
+        return json.dumps(list(values), separators=(",", ":"))
+
     return {
-        "images": json.dumps([*policy.images, image_repository(trainer_image)]),
-        "serviceAccounts": json.dumps(list(policy.service_accounts)),
-        "volumeTypes": json.dumps(list(policy.volume_types)),
-        "env": json.dumps(list(policy.env)),
-        "secrets": json.dumps(list(policy.secrets)),
+        "images": literal([*policy.images, image_repository(trainer_image)]),
+        "serviceAccounts": literal(policy.service_accounts),
+        "volumeTypes": literal(policy.volume_types),
+        "env": literal(policy.env),
+        "secrets": literal(policy.secrets),
         "maxChips": str(int(policy.max_chips)),
         "requireQueue": "true" if policy.require_queue else "false",
         "operatorNamespace": json.dumps(policy.operator_namespace or ""),
