@@ -45,6 +45,10 @@ WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow", "ReplicaFailure"
 # (the Job's FailedCreate events), then again after twice the wait, up to REFUSAL_CHECK_MAX.
 REFUSAL_CHECK_AFTER = 2.0
 REFUSAL_CHECK_MAX = 30.0
+# Not refusals: with exclusive placement the JobSet pod webhook refuses a slice's followers until
+# its leader is scheduled, by design (sigs.k8s.io/jobset pkg/webhooks/pod_webhook.go, "an expected,
+# transient error"); the leader's own condition (Unschedulable) says why then.
+JOBSET_FOLLOWER_WAIT = ("follower pod node selector", "leader pod not yet scheduled")
 
 
 @dataclass(frozen=True)
@@ -461,13 +465,15 @@ class Reconciler:
             log.warning("cannot tell why the run's pods are missing: %s", error)
             events = []
         since = created.timestamp() if created is not None else 0.0
-        recent = [
-            e
-            for e in events
-            if (t := parse_time(e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp")))
-            is None
-            or t.timestamp() >= since - 1
-        ]
+        recent = []
+        for event in events:
+            if any(wait in str(event.get("message") or "") for wait in JOBSET_FOLLOWER_WAIT):
+                continue
+            when = parse_time(
+                event.get("lastTimestamp") or event.get("eventTime") or event.get("firstTimestamp")
+            )
+            if when is None or when.timestamp() >= since - 1:  # not of an earlier JobSet of this name
+                recent.append(event)
         recent.sort(key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
         found = str(recent[-1].get("message") or "") if recent else None
         wait = min(REFUSAL_CHECK_MAX, max(REFUSAL_CHECK_AFTER, wait * 2))

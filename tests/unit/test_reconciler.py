@@ -403,3 +403,24 @@ def test_pods_the_apiserver_refuses_surface_in_its_words_and_clear_once_created(
     r.reconcile(after, old, running_pods(), event=events)
     (cleared,) = [c for c in api.last_status["conditions"] if c["type"] == "ReplicaFailure"]
     assert (cleared["status"], cleared["reason"]) == ("False", "PodsCreated")
+
+
+def test_jobsets_own_wait_for_a_scheduled_leader_is_not_a_refusal() -> None:
+    """With exclusive placement JobSet's pod webhook refuses a slice's followers until its leader is
+    scheduled: that FailedCreate is the design, and the leader's Unschedulable condition says why."""
+
+    class FollowerWaitApi(RecordingApi):
+        def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+            self.calls.append(("events", job_prefix))
+            message = (
+                'Error creating: admission webhook "vpod.kb.io" denied the request: follower pod node '
+                "selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool"
+            )
+            return [{"message": message, "lastTimestamp": "2099-01-01T00:00:00Z"}]
+
+    api = FollowerWaitApi()
+    r, _ = reconciler(api)
+    old = {**jobset(), "metadata": {**jobset()["metadata"], "creationTimestamp": "2020-01-01T00:00:00Z"}}
+    r.reconcile(new_run(), old, [], event=Events())
+    assert ("events", "run-slice-") in api.calls
+    assert not [c for c in api.last_status["conditions"] if c["type"] == "ReplicaFailure"]
