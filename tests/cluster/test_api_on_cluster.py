@@ -47,7 +47,11 @@ POOL_SET_LABEL = "test.tpuft.dev/pool-set"
 
 # Server-side apply types the patch against the schema before validation, and words an unknown field
 # its own way ("field not declared in schema"); create (client-side apply) says "unknown field".
-SERVER_SIDE_EXPECT = {"unknown-field": ".spec.tpu.zone: field not declared in schema"}
+SERVER_SIDE_EXPECT = {
+    "unknown-field": ".spec.tpu.zone: field not declared in schema",
+    # Server-side apply types the patch against the schema first, in its own words.
+    "packing-is-a-word": ".spec.dataset.packing: expected boolean",
+}
 
 
 def documents(text: str) -> list[dict[str, Any]]:
