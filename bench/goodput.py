@@ -25,7 +25,12 @@ from typing import Any
 
 from tpuft_operator.cluster.executor import LocalExecutor
 from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import OperatorProcess, install_operator
+from tpuft_operator.cluster.operator_process import (
+    HOST_PATH_VALUES,
+    OperatorProcess,
+    install_operator,
+    operator_env,
+)
 from tpuft_operator.demo import build_assets, host_run
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_trainer.storage import COMPLETE
@@ -209,13 +214,17 @@ def main(steps: int = STEPS) -> dict[str, Any]:
     cluster = LocalCluster(name=CLUSTER, log=lambda line: print(f"   [cluster] {line}"))
     cluster.down()
     cluster.up()
+    # The runs read their model and data from this host (hostPath): the admin opts in.
     operator = OperatorProcess(
-        install_operator(cluster),
+        install_operator(cluster, values=HOST_PATH_VALUES),
         root / "operator.log",
-        TPUFT_RESYNC_SECONDS="5",
-        TPUFT_PROGRESS_INTERVAL_SECONDS="1",
-        TPUFT_GOODPUT_INTERVAL_SECONDS="5",
-        TPUFT_TRAINER_IMAGE="example.invalid/tpuft-trainer:bench",
+        **{
+            **operator_env(cluster, HOST_PATH_VALUES),
+            "TPUFT_RESYNC_SECONDS": "5",
+            "TPUFT_PROGRESS_INTERVAL_SECONDS": "1",
+            "TPUFT_GOODPUT_INTERVAL_SECONDS": "5",
+            "TPUFT_TRAINER_IMAGE": "example.invalid/tpuft-trainer:bench",
+        },
     )
     try:
         cluster.kubectl("create", "namespace", NAMESPACE)

@@ -27,7 +27,12 @@ import yaml
 
 from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
 from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import OperatorProcess, install_operator
+from tpuft_operator.cluster.operator_process import (
+    HOST_PATH_VALUES,
+    OperatorProcess,
+    install_operator,
+    operator_env,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny-cpu-demo.yaml"
@@ -173,13 +178,17 @@ def run(keep: bool = False) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
 
         say("Installing the CRD and the operator's RBAC from the Helm chart")
-        kubeconfig = install_operator(cluster)
+        # The demo's run reads its model and data from this host (hostPath): the admin opts in.
+        kubeconfig = install_operator(cluster, values=HOST_PATH_VALUES)
         say("Starting the operator as the chart's ServiceAccount (only the chart's permissions)")
         operator = OperatorProcess(
             kubeconfig,
             workdir / "operator.log",
-            TPUFT_RESYNC_SECONDS="5",
-            TPUFT_PROGRESS_INTERVAL_SECONDS="1",
+            **{
+                **operator_env(cluster, HOST_PATH_VALUES),
+                "TPUFT_RESYNC_SECONDS": "5",
+                "TPUFT_PROGRESS_INTERVAL_SECONDS": "1",
+            },
         )
         operator.start()
 

@@ -88,7 +88,9 @@ KINDS = {
     "ServiceAccount": Resource("", "v1", "serviceaccounts"),
     "Role": Resource("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": Resource("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "NetworkPolicy": Resource("networking.k8s.io", "v1", "networkpolicies"),
 }
+EVENT = Resource("", "v1", "events")
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -202,6 +204,19 @@ class Api:
         except ApiException as error:
             raise _wrap(error, f"asking whether this identity may {verb} {resource}") from error
         return bool((answer.get("status") or {}).get("allowed"))
+
+    def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+        """The FailedCreate Events of the Jobs whose names start with ``job_prefix``: the Job
+        controller's only record of a pod the apiserver refused (PodSecurity, ResourceQuota, a
+        webhook); the Job's status says nothing. One list, filtered by the apiserver."""
+        path = EVENT.path(namespace) + "?fieldSelector=involvedObject.kind%3DJob%2Creason%3DFailedCreate"
+        try:
+            items = self._call("GET", path).get("items") or []
+        except ApiException as error:
+            raise _wrap(error, f"listing the FailedCreate events of namespace {namespace}") from error
+        return [
+            e for e in items if str((e.get("involvedObject") or {}).get("name", "")).startswith(job_prefix)
+        ]
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         """Merge-patches annotations of a pod (the operator's checkpoint requests, maintenance.py).

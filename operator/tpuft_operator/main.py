@@ -121,6 +121,7 @@ def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
         status_settle_seconds=settings.status_settle_seconds,
         goodput_interval_seconds=settings.goodput_interval_seconds,
         render_settings=settings.render_settings(),
+        policy=settings.admin_policy(),
     )
     return kopf.Memo(settings=settings, reconciler=reconciler, dispatch=Dispatch())
 
@@ -173,10 +174,12 @@ def operator(**values: Any) -> None:
     Every setting below can be given as a flag or as the environment variable shown.
     Endpoints: /metrics (Prometheus) on --metrics-port, /healthz on --health-port.
     """
-    namespaces: list[str] = []
-    for item in values["namespaces"]:
-        namespaces += [n.strip() for n in str(item).split(",") if n.strip()]
-    values["namespaces"] = tuple(namespaces)
+    for f in fields(OperatorSettings):
+        if f.metadata.get("multiple"):  # repeated flags, or comma-separated in the env var
+            items: list[str] = []
+            for item in values[f.name]:
+                items += [n.strip() for n in str(item).split(",") if n.strip()]
+            values[f.name] = tuple(items)
     values["log_level"] = values["log_level"].upper()
     settings = OperatorSettings(**values)
     if settings.kubeconfig:

@@ -18,9 +18,11 @@ from typing import Any
 
 from tpuft_operator import maintenance, metrics
 from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
-from tpuft_operator.api.validation import SpecError
+from tpuft_operator.api.policy import AdminPolicy, policy_errors
+from tpuft_operator.api.validation import FieldError, SpecError, parse
+from tpuft_operator.goodput import parse_time
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
-from tpuft_operator.render import RenderedRun, RenderSettings, render_run
+from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
 from tpuft_operator.slim import slim_finetune, slim_jobset
 from tpuft_operator.status import (
     TERMINAL_PHASES,
@@ -38,7 +40,15 @@ NAMESPACE_IDENTITY_RECHECK = 600.0
 # (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
 EventSink = Callable[[str, str, str], None]
 # Conditions that post a Warning Event (reason = the condition type) when they become True.
-WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow")
+WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow", "ReplicaFailure")
+# A JobSet's pods missing this long after it was created: ask whether the apiserver refused them
+# (the Job's FailedCreate events), then again after twice the wait, up to REFUSAL_CHECK_MAX.
+REFUSAL_CHECK_AFTER = 2.0
+REFUSAL_CHECK_MAX = 30.0
+# Not refusals: with exclusive placement the JobSet pod webhook refuses a slice's followers until
+# its leader is scheduled, by design (sigs.k8s.io/jobset pkg/webhooks/pod_webhook.go, "an expected,
+# transient error"); the leader's own condition (Unschedulable) says why then.
+JOBSET_FOLLOWER_WAIT = ("follower pod node selector", "leader pod not yet scheduled")
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,21 @@ class Reconciler:
     )
     # Namespaces whose shared progress identity this process has made sure of, and when.
     _namespaces: dict[str, float] = field(default_factory=dict)
+    # What runs may ask for (api/policy.py): checked before anything is created for a run.
+    policy: AdminPolicy = field(default_factory=AdminPolicy)
+    # Runs whose pods are missing: (next check, wait after it, the refusal last found).
+    _refusals: dict[tuple[str, str], tuple[float, float, str | None]] = field(default_factory=dict)
+    # When a deferred reconcile of each run is due (monotonic), so two reasons to look again at
+    # about the same time (status settling, a refusal check) ask for one reconcile, not two.
+    _wakeups: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def _defer(self, key: tuple[str, str], delay: float) -> None:
+        now = time.monotonic()
+        pending = self._wakeups.get(key)
+        if pending is not None and now < pending <= now + delay + 0.25:
+            return  # a reconcile is already due by then
+        self._wakeups[key] = now + delay
+        self.defer(key, delay)
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._locks_guard:
@@ -123,6 +148,8 @@ class Reconciler:
             self._jobsets.pop(key, None)
             self._created_at.pop(key, None)
             self._renders.pop(key, None)
+            self._refusals.pop(key, None)
+            self._wakeups.pop(key, None)
         metrics.forget_run(key)
 
     def jobset_deleted(self, key: tuple[str, str]) -> None:
@@ -150,6 +177,16 @@ class Reconciler:
             result = error
         self._renders[key] = (uid, generation, result)
         return result
+
+    def _check_policy(self, finetune: Obj) -> SpecError | None:
+        """The admin policy's verdict on a run about to get its JobSet (api/policy.py), as the
+        admission policy gives it at creation: a run admitted before the policy was tightened keeps
+        running (and is judged again only if its JobSet has to be recreated)."""
+        desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
+        broken = policy_errors(parse(desired), self.policy, self.render_settings.trainer_image)
+        if not broken:
+            return None
+        return SpecError.of([FieldError(path, reason) for path, reason in broken])
 
     def _keep_only_shape(self, key: tuple[str, str]) -> None:
         cached = self._renders.get(key)
@@ -274,6 +311,8 @@ class Reconciler:
         shape: SliceShape | None = None
         spec_error: tuple[str, str] | None = None
         result = self._render(key, finetune, full=jobset is None)
+        if jobset is None and not isinstance(result, SpecError):
+            result = self._check_policy(finetune) or result
         if isinstance(result, SpecError):
             spec_error = (result.field, result.reason)
         elif isinstance(result, RenderedRun):
@@ -346,6 +385,7 @@ class Reconciler:
 
         if jobset is not None:
             self._keep_only_shape(key)
+        refused = self._pods_refused(key, finetune, jobset, pods, shape, log)
         derived = derive_status(
             Observed(
                 finetune=finetune,
@@ -354,6 +394,7 @@ class Reconciler:
                 spec_error=spec_error,
                 creation_error=str(creation_error) if creation_error else None,
                 name_taken=name_taken,
+                pods_refused=refused,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,
@@ -370,7 +411,7 @@ class Reconciler:
         patch = status_patch(current, derived)
         settle = self._settling(key, derived, current) if patch is not None else 0.0
         if settle > 0:
-            self.defer(key, settle)  # the next reconcile writes whatever is true by then
+            self._defer(key, settle)  # the next reconcile writes whatever is true by then
         elif patch is not None:
             # Kept until the watch catches up, reduced as the index reduces it (memory).
             self._written[key] = slim_finetune(self.api.patch_finetune_status(namespace, name, patch))
@@ -382,6 +423,63 @@ class Reconciler:
             self._jobsets.pop(key, None)
         if creation_error is not None:
             raise creation_error  # logged by the handler; the resync retries
+
+    def _pods_refused(
+        self,
+        key: tuple[str, str],
+        finetune: Obj,
+        jobset: Obj | None,
+        pods: Sequence[Obj],
+        shape: SliceShape | None,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> str | None:
+        """The apiserver's words for the run's pods it refused, while some are missing, else None.
+
+        The Job controller records a refused pod only as a FailedCreate Event on its Job (its status
+        has no condition for it, pkg/controller/job), and retries with a backoff. Nothing the
+        operator watches changes then, so while pods are missing it looks, once the JobSet is
+        REFUSAL_CHECK_AFTER seconds old and then at doubling intervals, and asks for the reconcile
+        that does (one Event list of the namespace, filtered by the apiserver, per look)."""
+        missing = (
+            jobset is not None
+            and shape is not None
+            and not (jobset.get("spec") or {}).get("suspend")
+            and not is_final(finetune, jobset)
+            and len(current_pods(pods, jobset)) < shape.hosts
+        )
+        if not missing or jobset is None:
+            self._refusals.pop(key, None)
+            return None
+        now = time.monotonic()
+        created = parse_time((jobset.get("metadata") or {}).get("creationTimestamp"))
+        age = time.time() - created.timestamp() if created is not None else 0.0
+        due, wait, found = self._refusals.get(key, (now + max(0.0, REFUSAL_CHECK_AFTER - age), 0.0, None))
+        if now < due:
+            self._refusals[key] = (due, wait, found)
+            self._defer(key, due - now)
+            return found
+        prefix = f"{jobset['metadata']['name']}-{naming.REPLICATED_JOB}-"
+        try:
+            events = self.api.pod_creation_failures(str(finetune["metadata"]["namespace"]), prefix)
+        except ApiError as error:
+            log.warning("cannot tell why the run's pods are missing: %s", error)
+            events = []
+        since = created.timestamp() if created is not None else 0.0
+        recent = []
+        for event in events:
+            if any(wait in str(event.get("message") or "") for wait in JOBSET_FOLLOWER_WAIT):
+                continue
+            when = parse_time(
+                event.get("lastTimestamp") or event.get("eventTime") or event.get("firstTimestamp")
+            )
+            if when is None or when.timestamp() >= since - 1:  # not of an earlier JobSet of this name
+                recent.append(event)
+        recent.sort(key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+        found = str(recent[-1].get("message") or "") if recent else None
+        wait = min(REFUSAL_CHECK_MAX, max(REFUSAL_CHECK_AFTER, wait * 2))
+        self._refusals[key] = (now + wait, wait, found)
+        self._defer(key, wait)
+        return found
 
     def _request_checkpoints(
         self,

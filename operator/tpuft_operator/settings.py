@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tpuft_operator.api.policy import DEFAULT_MAX_CHIPS, DEFAULT_VOLUME_TYPES, AdminPolicy
 from tpuft_operator.render.settings import RenderSettings
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
@@ -94,6 +95,61 @@ class OperatorSettings:
         "overrides it): every host saves the step it reached in that time.",
         "TPUFT_TERMINATION_GRACE_PERIOD_SECONDS",
     )
+    # The admin policy (api/policy.py; the chart's `policy` values): what runs may ask for.
+    operator_namespace: str | None = _setting(
+        None,
+        "The operator's own namespace: runs there are refused (their pods could use its ServiceAccount).",
+        "TPUFT_OPERATOR_NAMESPACE",
+    )
+    allowed_images: tuple[str, ...] = _setting(
+        (),
+        "Prefixes spec.image may start with, besides the trainer image's repository ('*': any).",
+        "TPUFT_ALLOWED_IMAGES",
+        multiple=True,
+    )
+    allowed_service_accounts: tuple[str, ...] = _setting(
+        (),
+        "spec.serviceAccountName values allowed besides the run's own identity tpuft-trainer ('*': any).",
+        "TPUFT_ALLOWED_SERVICE_ACCOUNTS",
+        multiple=True,
+    )
+    allowed_volume_types: tuple[str, ...] = _setting(
+        DEFAULT_VOLUME_TYPES,
+        "Volume types spec.volumes may use ('none': no extra volumes).",
+        "TPUFT_ALLOWED_VOLUME_TYPES",
+        multiple=True,
+    )
+    allowed_env: tuple[str, ...] = _setting(
+        (),
+        "Reserved environment variables (HF_*, PYTHON*, LD_*, TPU_*, XLA_*, proxies, ...) runs may set "
+        "anyway: names or PREFIX*.",
+        "TPUFT_ALLOWED_ENV",
+        multiple=True,
+    )
+    allowed_secrets: tuple[str, ...] = _setting(
+        (),
+        "Secrets env secretKeyRefs and secret volumes may read besides model.tokenSecretRef ('*': any).",
+        "TPUFT_ALLOWED_SECRETS",
+        multiple=True,
+    )
+    max_chips_per_run: int = _setting(
+        DEFAULT_MAX_CHIPS, "Most TPU chips of one run, all slices (0: no cap).", "TPUFT_MAX_CHIPS_PER_RUN"
+    )
+    require_queue_name: bool = _setting(
+        False, "Every run must set spec.queueName (a Kueue LocalQueue).", "TPUFT_REQUIRE_QUEUE_NAME"
+    )
+    run_as_user: int = _setting(
+        0,
+        "Trainer pods run as this numeric non-root user and meet the restricted Pod Security Standard "
+        "(0: off, pods run as the image's user with the baseline settings).",
+        "TPUFT_RUN_AS_USER",
+    )
+    trainer_network_policy: bool = _setting(
+        False,
+        "Create a NetworkPolicy per run: its pods accept connections only from the same run's pods "
+        "(needs the chart's networkpolicies grant).",
+        "TPUFT_TRAINER_NETWORK_POLICY",
+    )
     log_level: str = _setting(
         "INFO",
         "Log level: DEBUG, INFO, WARNING, ERROR.",
@@ -118,6 +174,21 @@ class OperatorSettings:
             trainer_image=self.trainer_image,
             progress_min_interval_seconds=self.progress_interval_seconds,
             termination_grace_period_seconds=self.termination_grace_period_seconds,
+            run_as_user=self.run_as_user or None,
+            network_policy=self.trainer_network_policy,
+        )
+
+    def admin_policy(self) -> AdminPolicy:
+        """What runs may ask for (api/policy.py)."""
+        return AdminPolicy(
+            images=self.allowed_images,
+            service_accounts=self.allowed_service_accounts,
+            volume_types=tuple(t for t in self.allowed_volume_types if t != "none"),
+            env=self.allowed_env,
+            secrets=self.allowed_secrets,
+            max_chips=self.max_chips_per_run,
+            require_queue=self.require_queue_name,
+            operator_namespace=self.operator_namespace or None,
         )
 
     @classmethod

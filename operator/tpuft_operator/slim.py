@@ -40,7 +40,8 @@ def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
     owners = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
     return {
         "metadata": {
-            **{k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+            # creationTimestamp: how long its pods may take to appear before the operator asks why.
+            **{k: meta[k] for k in ("name", "namespace", "uid", "creationTimestamp") if k in meta},
             **({"ownerReferences": owners} if owners else {}),
         },
         "spec": {"suspend": (body.get("spec") or {}).get("suspend")},

@@ -48,6 +48,9 @@ class Observed:
     creation_error: str | None = None
     # An object this run needs exists under another run's control (k8s.NameTaken): the run fails.
     name_taken: str | None = None
+    # The apiserver refused pods of the run's Jobs (the Job controller's FailedCreate event, in the
+    # apiserver's words): PodSecurity, ResourceQuota, a webhook. None while every pod was created.
+    pods_refused: str | None = None
     chips: int | None = None
     hosts: int | None = None
     accelerator: str | None = None
@@ -250,6 +253,14 @@ def _derive_phase(obs: Observed) -> _Derived:
                 "Running": ("True", "Running", message),
             },
         )
+    if obs.pods_refused is not None:
+        message = f"the Job controller cannot create the run's pods: {obs.pods_refused}"
+        return _Derived(
+            "Pending",
+            "FailedCreate",
+            message,
+            {**valid, **not_suspended, "ReplicaFailure": ("True", "FailedCreate", message)},
+        )
     unschedulable = _unschedulable_message(pods)
     if unschedulable:
         message = (
@@ -283,6 +294,8 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
             "NoMaintenance",
             "no maintenance announced for the run's nodes",
         )
+    if obs.pods_refused is None and "ReplicaFailure" in was_true:
+        wanted["ReplicaFailure"] = ("False", "PodsCreated", "the apiserver accepts the run's pods")
     save = (previous.get("progress") or {}).get("lastCheckpoint") or {}
     seconds, grace = save.get("seconds"), save.get("graceSeconds")
     if isinstance(seconds, (int, float)) and isinstance(grace, (int, float)) and grace > 0:

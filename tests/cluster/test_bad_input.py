@@ -3,8 +3,10 @@
 - offline, `render_run` (what `tpuft render` and the operator run) raises only `SpecError`, naming the
   field the corpus names; valid inputs that look dangerous render to an exec-form command and reach the
   trainer only as quoted YAML inside the trainer-config pod annotation;
-- on the cluster, each `apiserver` case is refused by `kubectl create` with its message, and each other
-  case is accepted (the operator's side is tests/e2e/test_bad_input_operator.py).
+- on the cluster, each `apiserver` case is refused by `kubectl create` with its message, each `policy`
+  case by the chart's admin ValidatingAdmissionPolicy (its defaults installed) with a message naming
+  the field, and each other case is accepted (the operator's side is
+  tests/e2e/test_bad_input_operator.py, and tests/e2e/test_policy.py for the `policy` cases).
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ import pytest
 import yaml
 
 from tests.conftest import unique
+from tests.support import wait_for
 from tests.unit.crdcheck import merge
-from tpuft_operator.api.validation import SpecError
+from tpuft_operator.api.policy import AdminPolicy, policy_errors
+from tpuft_operator.api.validation import SpecError, parse
 from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.cluster.operator_process import ADMIN_POLICY, install_operator
 from tpuft_operator.render import RenderedRun, render_run
 from tpuft_operator.render.jobset import CONFIG_ANNOTATION
 
 CORPUS_FILE = Path(__file__).parent / "bad_input_corpus.yaml"
 CORPUS: dict[str, Any] = yaml.safe_load(CORPUS_FILE.read_text())
-EXPECTATIONS = ("apiserver", "operator", "inert")
+EXPECTATIONS = ("apiserver", "operator", "inert", "policy")
+# The trainer image the corpus' `policy` cases are judged against (the chart's default).
+CHART_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
 EXEC_COMMAND = ["tpuft", "train", "--config", "/etc/tpuft/config.yaml"]
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "tpufinetunes.tpuft.dev.yaml"
 
@@ -163,6 +170,16 @@ def assert_secret_refs_local(objects: list[dict[str, Any]]) -> None:
 # Offline ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("case", cases_of("policy"), ids=lambda c: c["name"])
+def test_the_admin_policy_refuses_it_and_render_alone_does_not(case: dict[str, Any]) -> None:
+    """A `policy` case is a valid spec the admin policy's defaults forbid: the policy names the
+    corpus' field first; `tpuft render` (which knows no cluster policy) renders it."""
+    obj = case_object(case, "ns")
+    render_run(obj)
+    broken = policy_errors(parse(obj), AdminPolicy(), CHART_TRAINER_IMAGE)
+    assert broken and broken[0][0] == case["policy"], broken
+
+
 def test_the_corpus_has_at_least_sixty_bad_inputs() -> None:
     names = [c["name"] for c in CASES]
     assert len(names) == len(set(names))
@@ -222,11 +239,24 @@ def test_exec_form_and_local_secret_refs_hold_for_a_token_and_extra_env() -> Non
 
 @pytest.fixture(scope="module")
 def created(local_cluster: LocalCluster) -> Iterator[dict[str, subprocess.CompletedProcess[str]]]:
-    """Every case sent to the apiserver with `kubectl create`, in parallel; name -> result."""
+    """Every case sent to the apiserver with `kubectl create`, in parallel; name -> result. The
+    chart's admission policies are installed with their default values (removed afterwards)."""
     local_cluster.apply(CRD_FILE.read_text(), field_manager="tpuft-test-crd")
     local_cluster.wait_established("tpufinetunes.tpuft.dev")
+    install_operator(local_cluster)
     namespace = unique("bad-input")
     local_cluster.kubectl("create", "namespace", namespace)
+    # A policy is enforced a moment after it is created: wait until it refuses a probe.
+    probe = case_object(cases_of("policy")[0], namespace, name="policy-probe")
+    wait_for(
+        lambda: (
+            local_cluster.kubectl(
+                "create", "--dry-run=server", "-f", "-", input=json.dumps(probe), check=False
+            ).returncode
+        ),
+        timeout=30,
+        what="the admin policy to be enforced",
+    )
 
     def create(case: dict[str, Any]) -> subprocess.CompletedProcess[str]:
         obj = case_object(case, namespace)
@@ -238,6 +268,8 @@ def created(local_cluster: LocalCluster) -> Iterator[dict[str, subprocess.Comple
         results = dict(zip([c["name"] for c in CASES], pool.map(create, CASES), strict=True))
     yield results
     local_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
+        local_cluster.kubectl("delete", kind, ADMIN_POLICY, "--ignore-not-found", check=False)
 
 
 @pytest.mark.cluster
@@ -249,6 +281,17 @@ def test_apiserver_refuses_it_naming_the_field(
     assert result.returncode != 0, f"the apiserver accepted {case['name']}"
     assert case["apiserver"] in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", cases_of("policy"), ids=lambda c: c["name"])
+def test_admin_policy_refuses_it_at_create_naming_the_field(
+    created: dict[str, subprocess.CompletedProcess[str]], case: dict[str, Any]
+) -> None:
+    result = created[case["name"]]
+    assert result.returncode != 0, f"the admin policy accepted {case['name']}"
+    assert f"ValidatingAdmissionPolicy '{ADMIN_POLICY}'" in result.stderr, result.stderr
+    assert f"denied request: {case['policy']}" in result.stderr, result.stderr
 
 
 @pytest.mark.cluster

@@ -17,6 +17,7 @@ import yaml
 
 from tests.conftest import unique
 from tests.support import finetune, get_json, wait_for
+from tpuft_operator.api.policy import AdminPolicy, admission_policy, cel_parameters
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import OperatorProcess
 from tpuft_operator.settings import OperatorSettings
@@ -36,7 +37,7 @@ NAMESPACED = {
     "serviceaccounts": {"get", "create"},
     "roles.rbac.authorization.k8s.io": {"get", "create"},
     "rolebindings.rbac.authorization.k8s.io": {"get", "create"},
-    "events": {"create"},
+    "events": {"create", "list"},  # list: the Job controller's FailedCreate events (refused pods)
 }
 CLUSTER_ONLY = {
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
@@ -206,6 +207,13 @@ def test_helm_lint(helm: Helm) -> None:
         (["--set", "logleve=DEBUG"], "additional properties 'logleve' not allowed"),
         (["--set", "workers=0"], "at '/workers'"),
         (["--set", "statusSettleSeconds=-1"], "at '/statusSettleSeconds'"),
+        (["--set", "policy.allowedVolumeTypes={hostpath}"], "at '/policy/allowedVolumeTypes/0'"),
+        (["--set", "policy.maxChipsPerRun=-1"], "at '/policy/maxChipsPerRun'"),
+        (["--set", "policy.allowedEnv={HF ENDPOINT}"], "at '/policy/allowedEnv/0'"),
+        (["--set", "policy.allowedServiceAccounts={Admin}"], "at '/policy/allowedServiceAccounts/0'"),
+        (["--set", "policy.requireQueueName=yes"], "at '/policy/requireQueueName'"),
+        (["--set", "trainerSecurity.runAsUser=0"], "at '/trainerSecurity/runAsUser'"),
+        (["--set", "networkPolicy.enable=true"], "additional properties 'enable' not allowed"),
     ],
 )
 def test_bad_values_fail_with_the_path_of_the_value(helm: Helm, values: list[str], message: str) -> None:
@@ -262,6 +270,24 @@ def test_notes_say_what_to_do_next(helm: Helm) -> None:
 
 VALUE_SETS = {
     "default": [],
+    "policy-security-network": [
+        "--set-json",
+        'policy.allowedImages=["registry.example.com/team/"]',
+        "--set-json",
+        'policy.allowedEnv=["HF_ENDPOINT","XLA_*"]',
+        "--set-json",
+        'policy.allowedVolumeTypes=["csi","emptyDir","hostPath"]',
+        "--set",
+        "policy.maxChipsPerRun=0",
+        "--set",
+        "policy.requireQueueName=true",
+        "--set",
+        "trainerSecurity.restricted=true",
+        "--set",
+        "networkPolicy.enabled=true",
+        "--set",
+        "networkPolicy.trainers=true",
+    ],
     "watch-namespaces": [
         "--set",
         "watchNamespaces={NS1,NS2}",
@@ -331,6 +357,29 @@ def test_template_passes_server_side_dry_run(
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
         ]
         assert env["TPUFT_WATCH_NODES"] == "true"
+    if value_set == "policy-security-network":
+        assert env["TPUFT_ALLOWED_ENV"] == "HF_ENDPOINT,XLA_*" and env["TPUFT_MAX_CHIPS_PER_RUN"] == "0"
+        assert env["TPUFT_REQUIRE_QUEUE_NAME"] == "true" and env["TPUFT_RUN_AS_USER"] == "1000"
+        assert env["TPUFT_TRAINER_NETWORK_POLICY"] == "true"
+        (policy,) = [
+            p
+            for p in by_kind(objects, "ValidatingAdmissionPolicy")
+            if p["metadata"]["name"].endswith("-admin")
+        ]
+        variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+        assert json.loads(variables["images"]) == ["registry.example.com/team/", "ghcr.io/tpuft/trainer"]
+        assert json.loads(variables["volumeTypes"]) == ["csi", "emptyDir", "hostPath"]
+        (network,) = by_kind(objects, "NetworkPolicy")
+        assert network["spec"]["ingress"][0]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+        (role,) = by_kind(objects, "ClusterRole")
+        assert {
+            "apiGroups": ["networking.k8s.io"],
+            "resources": ["networkpolicies"],
+            "verbs": ["get", "create"],
+        } in role["rules"]
+    if value_set == "default":
+        assert not by_kind(objects, "NetworkPolicy")
+        assert env["TPUFT_RUN_AS_USER"] == "0" and env["TPUFT_TRAINER_NETWORK_POLICY"] == "false"
     if value_set == "custom":
         assert container["image"] == "registry.example.com/platform/tpuft-operator:0.1.0-rc1"
         assert env["TPUFT_TRAINER_IMAGE"].endswith("@sha256:" + "a" * 64)
@@ -342,6 +391,42 @@ def test_template_passes_server_side_dry_run(
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "fine-tuner", "namespace": namespace}
         ]
+
+
+def test_the_charts_admin_policy_is_the_one_python_renders(helm: Helm) -> None:
+    """One source of truth: the chart's admission policy for its default values is exactly what
+    api/policy.py renders for the operator's default AdminPolicy (and the Deployment's env, read
+    back as settings, is that policy too)."""
+    objects = helm.template("tpuft", "ops", "--show-only", "templates/admin-policy.yaml")
+    expected = admission_policy(
+        "tpuft-admin", cel_parameters(AdminPolicy(operator_namespace="ops"), "ghcr.io/tpuft/trainer:0.1.0")
+    )
+    for obj in objects:
+        del obj["metadata"]["labels"]
+    assert objects == expected
+    (deployment,) = by_kind(helm.template("tpuft", "ops"), "Deployment")
+    env = {
+        e["name"]: e["value"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
+    }
+    settings = OperatorSettings(
+        operator_namespace=env["TPUFT_OPERATOR_NAMESPACE"],
+        allowed_volume_types=tuple(env["TPUFT_ALLOWED_VOLUME_TYPES"].split(",")),
+        max_chips_per_run=int(env["TPUFT_MAX_CHIPS_PER_RUN"]),
+    )
+    assert settings.admin_policy() == AdminPolicy(operator_namespace="ops")
+    assert env["TPUFT_ALLOWED_IMAGES"] == env["TPUFT_ALLOWED_ENV"] == env["TPUFT_ALLOWED_SECRETS"] == ""
+    # Namespaced mode: the policy binds only to the watched namespaces.
+    scoped = helm.template(
+        "tpuft", "ops", "--show-only", "templates/admin-policy.yaml", "--set", "watchNamespaces={a,b}"
+    )
+    assert scoped[1]["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["a", "b"]}
+    ]
+    assert not helm.template(
+        "tpuft", "ops", "--show-only", "templates/admin-policy.yaml", "--set", "policy.admission=false"
+    )
 
 
 def test_operator_pod_is_admitted_under_restricted_pod_security(

@@ -9,32 +9,48 @@ import pytest
 
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import (
+    HOST_PATH_VALUES,
     OPERATOR_NAMESPACE,
     SERVICE_ACCOUNT,
     OperatorProcess,
     install_operator,
+    operator_env,
 )
 from tpuft_operator.settings import OperatorSettings
 
-__all__ = ["OPERATOR_NAMESPACE", "OPERATOR_SETTINGS", "SERVICE_ACCOUNT", "OperatorProcess"]
+__all__ = ["E2E_VALUES", "OPERATOR_NAMESPACE", "OPERATOR_SETTINGS", "SERVICE_ACCOUNT", "OperatorProcess"]
 
 # The settings the operator under test runs with (what its renders depend on).
 OPERATOR_SETTINGS = OperatorSettings(
     trainer_image="example.invalid/tpuft-trainer:test", progress_interval_seconds=1.0
 )
+# The chart's values for the operator under test: its defaults (the admin policy included), and
+# what the tests opt in to as an admin would: hostPath volumes (the local executor runs the real
+# trainer from files on this host: test_progress, test_stops) and the ServiceAccount "ci"
+# (test_tenancy's CI account named as a run's serviceAccountName).
+E2E_VALUES = (
+    *HOST_PATH_VALUES,
+    "--set-json",
+    'policy.allowedServiceAccounts=["ci"]',
+    "--set",
+    f"trainerImage={OPERATOR_SETTINGS.trainer_image}",
+)
+# Settings of the operator process beyond the chart's (faster resyncs and reports than production).
+E2E_OVERRIDES = {
+    "TPUFT_RESYNC_SECONDS": "5",
+    "TPUFT_PROGRESS_INTERVAL_SECONDS": str(OPERATOR_SETTINGS.progress_interval_seconds),
+}
 
 
 @pytest.fixture(scope="session")
 def operator(
     local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    kubeconfig = install_operator(local_cluster)
+    kubeconfig = install_operator(local_cluster, values=E2E_VALUES)
     process = OperatorProcess(
         kubeconfig,
         tmp_path_factory.mktemp("operator") / "operator.log",
-        TPUFT_RESYNC_SECONDS="5",
-        TPUFT_TRAINER_IMAGE=OPERATOR_SETTINGS.trainer_image,
-        TPUFT_PROGRESS_INTERVAL_SECONDS=str(OPERATOR_SETTINGS.progress_interval_seconds),
+        **{**operator_env(local_cluster, E2E_VALUES), **E2E_OVERRIDES},
     )
     process.start()
     yield process

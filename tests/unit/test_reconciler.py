@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_status import NOW, finetune, pod
+from tests.unit.test_status import NOW, finetune, jobset, pod
 from tpuft_operator import reconcile
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
@@ -47,10 +47,15 @@ class RecordingApi:
 
     def patch_finetune_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         self.calls.append(("status", str(status.get("phase"))))
+        self.last_status = {**getattr(self, "last_status", {}), **copy.deepcopy(dict(status))}
         self.resource_version += 1
         body = finetune(dict(status))
         body["metadata"]["resourceVersion"] = str(self.resource_version)
         return body
+
+    def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+        self.calls.append(("events", job_prefix))
+        return []
 
     def writes(self) -> list[tuple[str, str]]:
         return [c for c in self.calls if c[0] != "adopt"]
@@ -90,9 +95,11 @@ def test_a_new_run_costs_its_jobset_and_one_status_write_with_settling() -> None
     r, deferred = reconciler(api, settle=2.0)
     run = new_run()
     r.reconcile(run, None, [], event=events)
-    # The JobSet's own watch event: still Pending, still within the settle window -> no write.
+    # The JobSet's own watch event: still Pending, still within the settle window -> no write. One
+    # reconcile is due when the window ends (it is also when the missing pods' refusals are looked
+    # up: one wake-up serves both).
     r.reconcile(run, None, [], event=events)
-    assert len(deferred) == 2 and all(0 < d <= 2.0 for d in deferred)
+    assert len(deferred) == 1 and all(0 < d <= 2.0 for d in deferred)
     # The pods run: one status write says Running.
     r.reconcile(run, None, running_pods(), event=events)
     writes = api.writes()
@@ -111,7 +118,9 @@ def test_without_settling_pending_is_written_at_once() -> None:
     api = RecordingApi()
     r, deferred = reconciler(api, settle=0.0)
     r.reconcile(new_run(), None, [], event=Events())
-    assert ("status", "Pending") in api.calls and not deferred
+    # Written at once; the only reconcile asked for is the look at why the pods are missing.
+    assert ("status", "Pending") in api.calls and deferred == [reconcile.REFUSAL_CHECK_AFTER]
+    assert not [c for c in api.calls if c[0] == "events"]  # not before the JobSet is 2 s old
 
 
 def test_a_settled_run_that_is_still_pending_is_written_when_the_window_ends(
@@ -362,3 +371,56 @@ def test_a_jobset_another_run_controls_is_never_suspended_by_this_one() -> None:
     attacker["metadata"]["resourceVersion"] = "1"
     r.reconcile(attacker, theirs, [], event=Events())
     assert ("suspend", "JobSet") not in api.calls and ("resume", "JobSet") not in api.calls
+
+
+def test_pods_the_apiserver_refuses_surface_in_its_words_and_clear_once_created() -> None:
+    """The Job controller's FailedCreate event is the only record of a refused pod: read once the
+    JobSet is 2 s old and its pods are missing, shown as ReplicaFailure (and a Warning Event)."""
+    refusal = (
+        'Error creating: pods "run-slice-0-0-x" is forbidden: violates PodSecurity "restricted:latest": '
+        "runAsNonRoot != true"
+    )
+
+    class RefusingApi(RecordingApi):
+        def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+            self.calls.append(("events", job_prefix))
+            return [{"message": refusal, "lastTimestamp": "2099-01-01T00:00:00Z"}]
+
+    api, events = RefusingApi(), Events()
+    r, deferred = reconciler(api)
+    old = {**jobset(), "metadata": {**jobset()["metadata"], "creationTimestamp": "2020-01-01T00:00:00Z"}}
+    r.reconcile(new_run(), old, [], event=events)
+    assert ("events", "run-slice-") in api.calls
+    status = api.last_status
+    (failure,) = [c for c in status["conditions"] if c["type"] == "ReplicaFailure"]
+    assert (failure["status"], failure["reason"]) == ("True", "FailedCreate")
+    assert refusal in failure["message"] and refusal in status["message"]
+    assert status["phase"] == "Pending" and "ReplicaFailure" in events.posted
+    assert deferred and deferred[-1] == reconcile.REFUSAL_CHECK_AFTER * 1  # looks again soon
+    # The namespace is fixed and the pods are created: the condition turns False.
+    after = finetune(status)
+    after["metadata"]["resourceVersion"] = "1"
+    r.reconcile(after, old, running_pods(), event=events)
+    (cleared,) = [c for c in api.last_status["conditions"] if c["type"] == "ReplicaFailure"]
+    assert (cleared["status"], cleared["reason"]) == ("False", "PodsCreated")
+
+
+def test_jobsets_own_wait_for_a_scheduled_leader_is_not_a_refusal() -> None:
+    """With exclusive placement JobSet's pod webhook refuses a slice's followers until its leader is
+    scheduled: that FailedCreate is the design, and the leader's Unschedulable condition says why."""
+
+    class FollowerWaitApi(RecordingApi):
+        def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+            self.calls.append(("events", job_prefix))
+            message = (
+                'Error creating: admission webhook "vpod.kb.io" denied the request: follower pod node '
+                "selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool"
+            )
+            return [{"message": message, "lastTimestamp": "2099-01-01T00:00:00Z"}]
+
+    api = FollowerWaitApi()
+    r, _ = reconciler(api)
+    old = {**jobset(), "metadata": {**jobset()["metadata"], "creationTimestamp": "2020-01-01T00:00:00Z"}}
+    r.reconcile(new_run(), old, [], event=Events())
+    assert ("events", "run-slice-") in api.calls
+    assert not [c for c in api.last_status["conditions"] if c["type"] == "ReplicaFailure"]

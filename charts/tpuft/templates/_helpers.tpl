@@ -34,6 +34,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
+{{/* The repository of trainerImage (no tag, no digest): runs may always name it in spec.image.
+The same as api/policy.py image_repository. */}}
+{{- define "tpuft.trainerRepository" -}}
+{{- regexReplaceAll ":[^:/]*$" (regexReplaceAll "@.*$" .Values.trainerImage "") "" -}}
+{{- end -}}
+
 {{- define "tpuft.selectorLabels" -}}
 app.kubernetes.io/name: tpuft-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -79,10 +85,22 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create"]
 # Kubernetes Events on TPUFineTunes for phase transitions (kopf posts core/v1 Events; it never
-# patches or aggregates them).
+# patches or aggregates them). list: a pod the apiserver refuses (PodSecurity, ResourceQuota, a
+# webhook) is recorded only as the Job controller's FailedCreate Event on the Job (a Job's status
+# has no condition for it, and the operator does not watch Jobs): while a run's pods are missing it
+# lists them, filtered by the apiserver (involvedObject.kind=Job, reason=FailedCreate), to say why
+# in the run's status. No watch, no get: nothing else of Events is read.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
+{{- if and .Values.networkPolicy.enabled .Values.networkPolicy.trainers }}
+# networkPolicy.trainers: one NetworkPolicy per run (its pods accept connections only from the
+# same run's pods), owned by the run and deleted with it by the garbage collector. create; get to
+# adopt after a restart. No update or delete.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create"]
+{{- end }}
 {{- end -}}
 
 {{/* Whether the operator watches TPU nodes for maintenance signals: watchNodes, else on in

@@ -11,7 +11,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+
+import yaml
 
 from tpuft_operator.cluster.local import ClusterError, LocalCluster
 
@@ -21,35 +24,71 @@ CRD = REPO / "crds" / "tpufinetunes.tpuft.dev.yaml"
 OPERATOR_NAMESPACE = "tpuft-system"
 RELEASE = "tpuft"
 SERVICE_ACCOUNT = "tpuft"  # the chart's full name for release "tpuft"
+ADMIN_POLICY = f"{RELEASE}-admin"  # the chart's admin ValidatingAdmissionPolicy (and its binding)
+# Chart values for the local executor, which runs the real trainer on this host from files on it:
+# the admin opts in to hostPath volumes (off by default: they reach the node's filesystem).
+HOST_PATH_VALUES = (
+    "--set-json",
+    'policy.allowedVolumeTypes=["configMap","csi","downwardAPI","emptyDir","ephemeral",'
+    '"persistentVolumeClaim","projected","secret","hostPath"]',
+)
 
 
-def install_operator(cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE) -> Path:
-    """Installs the CRD and the chart's ServiceAccount, RBAC and progress admission policy; returns a
-    kubeconfig acting as that ServiceAccount."""
-    cluster.apply(CRD.read_text())
-    cluster.wait_established("tpufinetunes.tpuft.dev")
-    cluster.kubectl("create", "namespace", namespace, check=False)
+def _helm_template(cluster: LocalCluster, namespace: str, values: Sequence[str], *templates: str) -> str:
+    shown = [arg for t in templates for arg in ("--show-only", f"templates/{t}")]
     rendered = subprocess.run(
-        [
-            str(cluster.bins.helm),
-            "template",
-            RELEASE,
-            str(CHART),
-            "--namespace",
-            namespace,
-            "--show-only",
-            "templates/serviceaccount.yaml",
-            "--show-only",
-            "templates/rbac.yaml",
-            "--show-only",
-            "templates/progress-policy.yaml",
-        ],
+        [str(cluster.bins.helm), "template", RELEASE, str(CHART), "--namespace", namespace, *values, *shown],
         capture_output=True,
         text=True,
     )
     if rendered.returncode != 0:
         raise ClusterError(f"helm template {CHART} failed: {rendered.stderr.strip()}")
-    cluster.apply(rendered.stdout)
+    return rendered.stdout
+
+
+def operator_env(
+    cluster: LocalCluster, values: Sequence[str] = (), namespace: str = OPERATOR_NAMESPACE
+) -> dict[str, str]:
+    """The operator's settings as the chart's Deployment gives them (its container's TPUFT_* env),
+    for ``values``: a local operator process then enforces exactly what the chart configures."""
+    (deployment,) = [
+        d for d in yaml.safe_load_all(_helm_template(cluster, namespace, values, "deployment.yaml")) if d
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    skip = {"TPUFT_METRICS_PORT", "TPUFT_HEALTH_PORT", "TPUFT_BIND_ADDRESS", "TPUFT_LOG_FORMAT"}
+    return {
+        e["name"]: str(e["value"])
+        for e in container["env"]
+        if "value" in e and e["name"].startswith("TPUFT_") and e["name"] not in skip
+    }
+
+
+def install_operator(
+    cluster: LocalCluster, namespace: str = OPERATOR_NAMESPACE, values: Sequence[str] = ()
+) -> Path:
+    """Installs the CRD and the chart's ServiceAccount, RBAC and admission policies (progress and
+    admin, for ``values``: helm --set/--set-json arguments); returns a kubeconfig acting as that
+    ServiceAccount. Without the admin policy in the render (policy.admission=false) an earlier one
+    is removed, so only the operator enforces the rules."""
+    cluster.apply(CRD.read_text())
+    cluster.wait_established("tpufinetunes.tpuft.dev")
+    cluster.kubectl("create", "namespace", namespace, check=False)
+    rendered = _helm_template(
+        cluster,
+        namespace,
+        values,
+        "serviceaccount.yaml",
+        "rbac.yaml",
+        "progress-policy.yaml",
+        "admin-policy.yaml",
+    )
+    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    if not any(
+        d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == ADMIN_POLICY for d in documents
+    ):
+        for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
+            cluster.kubectl("delete", kind, ADMIN_POLICY, "--ignore-not-found", check=False)
+    cluster.apply(documents)
     path = cluster.layout.root / "operator-sa.kubeconfig"
     path.write_text(cluster.service_account_kubeconfig(namespace, SERVICE_ACCOUNT))
     path.chmod(0o600)

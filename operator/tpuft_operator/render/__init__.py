@@ -14,6 +14,7 @@ from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, parse, validate
 from tpuft_operator.render.identity import namespace_objects, run_objects
 from tpuft_operator.render.jobset import jobset
+from tpuft_operator.render.network import network_policy
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.render.trainer_config import trainer_config
 from tpuft_operator.topology import SliceShape, resolve
@@ -31,6 +32,8 @@ class RenderedRun:
     shape: SliceShape
     # The progress channel's RoleBinding for a user-named pod ServiceAccount; usually empty.
     identity: tuple[dict[str, Any], ...] = ()
+    # The run's NetworkPolicy (RenderSettings.network_policy), before its pods exist.
+    network: tuple[dict[str, Any], ...] = ()
 
     @property
     def jobset_name(self) -> str:
@@ -39,7 +42,7 @@ class RenderedRun:
     @property
     def objects(self) -> list[dict[str, Any]]:
         """The run's own objects in creation order: the RoleBinding (if any) before the pods need it."""
-        return [*self.identity, self.jobset]
+        return [*self.identity, *self.network, self.jobset]
 
     @property
     def namespace_objects(self) -> list[dict[str, Any]]:
@@ -64,4 +67,5 @@ def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None
         trainer_config=config,
         shape=shape,
         identity=tuple(run_objects(ft)),
+        network=tuple(p for p in [network_policy(ft)] if p is not None and settings.network_policy),
     )

@@ -20,8 +20,11 @@ class RenderSettings:
     token_env: str = "HF_TOKEN"
     # Time the trainer gets after SIGTERM (preemption, suspend) to finish writing a checkpoint.
     termination_grace_period_seconds: int = 60
-    # When set, pods run as this non-root user and group. Off by default: GKE documents TPU pods
-    # without privileged mode (since 1.28) but not which device-file permissions a non-root user gets.
+    # When set, pods run as this non-root user and group and meet the restricted Pod Security
+    # Standard. Off by default: GKE documents TPU pods without privileged mode (since 1.28) but not
+    # that a non-root user may open the TPU device files (/dev/vfio/*, /dev/accel*).
     run_as_user: int | None = None
+    # A NetworkPolicy per run: its pods accept connections only from the same run's pods.
+    network_policy: bool = False
     # How often rank 0 may patch the TPUFineTune's progress.
     progress_min_interval_seconds: float = 10.0
