@@ -132,6 +132,13 @@ class OperatorSettings:
         "TPUFT_ALLOWED_SECRETS",
         multiple=True,
     )
+    allowed_tolerations: tuple[str, ...] = _setting(
+        (),
+        "Reserved taints (control plane, node lifecycle, GKE, other accelerators: api/policy.py) runs "
+        "may tolerate anyway: keys or PREFIX* ('*': any, including a toleration of every taint).",
+        "TPUFT_ALLOWED_TOLERATIONS",
+        multiple=True,
+    )
     max_chips_per_run: int = _setting(
         DEFAULT_MAX_CHIPS, "Most TPU chips of one run, all slices (0: no cap).", "TPUFT_MAX_CHIPS_PER_RUN"
     )
@@ -186,6 +193,7 @@ class OperatorSettings:
             volume_types=tuple(t for t in self.allowed_volume_types if t != "none"),
             env=self.allowed_env,
             secrets=self.allowed_secrets,
+            tolerations=self.allowed_tolerations,
             max_chips=self.max_chips_per_run,
             require_queue=self.require_queue_name,
             operator_namespace=self.operator_namespace or None,

@@ -58,6 +58,8 @@ LOOSENED = (
     "--set-json",
     'policy.allowedSecrets=["db-admin"]',
     "--set-json",
+    'policy.allowedTolerations=["*"]',
+    "--set-json",
     'policy.allowedServiceAccounts=["deployer","tpuft"]',
     "--set-json",
     'policy.allowedImages=["evil.example/","ghcr.io/tpuft/"]',

@@ -90,6 +90,13 @@ ATTACKS: list[tuple[str, dict[str, Any], str, AdminPolicy]] = [
     ("image", {"image": "evil.example/miner:1"}, "spec.image", AdminPolicy(images=("evil.example/",))),
     ("look-alike image", {"image": "ghcr.io/tpuft/trainer-evil:1"}, "spec.image", AdminPolicy(images=("*",))),
     ("chips", {"tpu": {"type": "tpu7x", "topology": "8x8x8", "slices": 2}}, "spec.tpu", AdminPolicy(max_chips=0)),
+    ("every taint", {"tolerations": [{"operator": "Exists"}]}, "spec.tolerations[0].key", AdminPolicy(tolerations=("*",))),
+    (
+        "control-plane taint",
+        {"tolerations": [{"key": "team", "value": "ml"}, {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]},
+        "spec.tolerations[1].key",
+        AdminPolicy(tolerations=("node-role.kubernetes.io/*",)),
+    ),
 ]  # fmt: skip
 
 
@@ -158,6 +165,7 @@ def test_chart_defaults_are_the_operators() -> None:
     assert tuple(values["allowedVolumeTypes"]) == default.volume_types
     assert tuple(values["allowedEnv"]) == default.env
     assert tuple(values["allowedSecrets"]) == default.secrets
+    assert tuple(values["allowedTolerations"]) == default.tolerations
     assert values["maxChipsPerRun"] == default.max_chips
     assert values["requireQueueName"] is default.require_queue
     settings = OperatorSettings()
@@ -181,6 +189,7 @@ def test_the_admission_policy_carries_every_parameter_and_reserved_name() -> Non
         "spec.serviceAccountName",
         "spec.volumes[",
         "spec.env[",
+        "spec.tolerations[",
         "spec.tpu",
         "spec.queueName",
     ):

@@ -39,6 +39,7 @@ _POLICY_VALUES = {
     "volumeTypes": "{{ .Values.policy.allowedVolumeTypes | toJson | quote }}",
     "env": "{{ .Values.policy.allowedEnv | toJson | quote }}",
     "secrets": "{{ .Values.policy.allowedSecrets | toJson | quote }}",
+    "tolerations": "{{ .Values.policy.allowedTolerations | toJson | quote }}",
     "maxChips": "{{ .Values.policy.maxChipsPerRun | int | toString | quote }}",
     "requireQueue": "{{ .Values.policy.requireQueueName | toJson | quote }}",
     "operatorNamespace": "{{ .Release.Namespace | toJson | quote }}",

@@ -4,7 +4,8 @@ Whoever may create a TPUFineTune gets pods made for them by the JobSet and Job c
 may create any pod. Without limits, `create tpufinetunes` would be a way around the cluster's rules:
 mount the node's filesystem (hostPath), run as any ServiceAccount of the namespace, read any Secret
 of it (env valueFrom, a secret volume), point the hub token at another host (HF_ENDPOINT), load a
-library into the trainer (LD_PRELOAD, PYTHONPATH), run any image, or ask for millions of chips.
+library into the trainer (LD_PRELOAD, PYTHONPATH), run any image, tolerate every taint (land on the
+control plane, or on another team's dedicated pool), or ask for millions of chips.
 
 The rules live here, once, in two renderings of the same data:
 - `policy_errors`: the operator's check (Python), run before anything is created for a run, so
@@ -17,7 +18,9 @@ The rules live here, once, in two renderings of the same data:
 
 Each rule can be loosened by the admin (chart values, operator settings) and the defaults are safe:
 no hostPath or other node-level volume, no user-named ServiceAccount, no Secret besides the model's
-token, no reserved environment variable, only the trainer image's own repository, at most
+token, no reserved environment variable, no toleration of every taint or of the control plane's,
+the node lifecycle's and GKE's own taints (the operator adds the TPU and Spot ones runs need), only
+the trainer image's own repository, at most
 `DEFAULT_MAX_CHIPS` chips per run, and no run in the operator's own namespace.
 """
 
@@ -56,6 +59,21 @@ RESERVED_ENV_NAMES = (
     "http_proxy", "https_proxy", "no_proxy", "all_proxy", "ftp_proxy",
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
 )  # fmt: skip
+# Taints a run may not tolerate unless the admin allows them (keys, or PREFIX*): they keep pods off
+# the control plane, off nodes that are not ready, unreachable or being drained, off nodes GKE is
+# about to stop, and off nodes of other accelerators. A toleration without a key tolerates every
+# taint: it needs "*". Dedicated pools' own taints (team=ml, say) are the run's to tolerate.
+RESERVED_TAINT_PREFIXES = (
+    "node-role.kubernetes.io/",
+    "node.kubernetes.io/",
+    "node.cloudprovider.kubernetes.io/",
+    "kubernetes.io/",
+    "cloud.google.com/",
+    "components.gke.io/",
+    "google.com/",
+    "nvidia.com/",
+)
+RESERVED_TAINT_NAMES = ("ToBeDeletedByClusterAutoscaler", "DeletionCandidateOfClusterAutoscaler")
 # The volume types of the `restricted` Pod Security Standard: none reaches the node. A `secret` (or
 # a projected secret) must also name a Secret the admin allows, as env secretKeyRefs must.
 DEFAULT_VOLUME_TYPES = (
@@ -85,6 +103,9 @@ class AdminPolicy:
     # Secrets that env secretKeyRefs and secret volumes may name (model.tokenSecretRef always may);
     # "*": any Secret of the run's namespace.
     secrets: tuple[str, ...] = ()
+    # Reserved taints spec.tolerations may tolerate anyway: keys or PREFIX* ("*": any, including a
+    # toleration of every taint, the one without a key). The operator's own (TPU, Spot) are not the run's.
+    tolerations: tuple[str, ...] = ()
     # Most TPU chips of one run (all slices); 0: no cap.
     max_chips: int = DEFAULT_MAX_CHIPS
     # Every run must name a Kueue LocalQueue (spec.queueName).
@@ -118,6 +139,10 @@ def image_allowed(image: str, prefixes: Sequence[str]) -> bool:
 
 def env_reserved(name: str) -> bool:
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+def taint_reserved(key: str) -> bool:
+    return key in RESERVED_TAINT_NAMES or key.startswith(RESERVED_TAINT_PREFIXES)
 
 
 def env_allowed(name: str, allowed: Sequence[str]) -> bool:
@@ -177,6 +202,11 @@ def policy_errors(ft: TPUFineTune, policy: AdminPolicy, trainer_image: str) -> l
         ref = env.value_from.secret_key_ref if env.value_from else None
         if ref is not None and not _listed(ref.name, policy.secrets):
             errors.append((f"spec.env[{i}].valueFrom.secretKeyRef.name", secret_message(ref.name)))
+    for i, toleration in enumerate(spec.tolerations or []):
+        key = toleration.key or ""
+        reserved = not key or (taint_reserved(key) and not env_allowed(key, policy.tolerations))
+        if reserved and ANY not in policy.tolerations:
+            errors.append((f"spec.tolerations[{i}].key", toleration_message(key)))
     if policy.max_chips:
         tpu = spec.tpu
         try:
@@ -232,6 +262,14 @@ def env_message(name: str) -> str:
     )
 
 
+TAINT_KINDS = " (the control plane's, the node lifecycle's, GKE's or another accelerator's)"
+
+
+def toleration_message(key: str) -> str:
+    what = f"the taint {key}{TAINT_KINDS}" if key else "every taint (a toleration without a key)"
+    return f"a run may not tolerate {what}; {ADMIN_HINT}, allowedTolerations"
+
+
 def chips_message(chips: int, cap: int) -> str:
     return (
         f"the run asks for {chips} TPU chips, more than the {cap} a run may use; {ADMIN_HINT}, maxChipsPerRun"
@@ -251,6 +289,7 @@ PARAMETERS = (
     "volumeTypes",
     "env",
     "secrets",
+    "tolerations",
     "maxChips",
     "requireQueue",
     "operatorNamespace",
@@ -270,6 +309,7 @@ def cel_parameters(policy: AdminPolicy, trainer_image: str) -> dict[str, str]:
         "volumeTypes": literal(policy.volume_types),
         "env": literal(policy.env),
         "secrets": literal(policy.secrets),
+        "tolerations": literal(policy.tolerations),
         "maxChips": str(int(policy.max_chips)),
         "requireQueue": "true" if policy.require_queue else "false",
         "operatorNamespace": json.dumps(policy.operator_namespace or ""),
@@ -318,6 +358,10 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
         f" || {_cel_list(RESERVED_ENV_PREFIXES)}.exists(p, e.name.startsWith(p)))"
         f" && !{v}.env.exists(a, a == e.name || (a.endsWith('*') && e.name.startsWith(a.substring(0, size(a) - 1))))"
     )
+    taint_reserved_cel = (
+        f"t.key in {_cel_list(RESERVED_TAINT_NAMES)}"
+        f" || {_cel_list(RESERVED_TAINT_PREFIXES)}.exists(p, t.key.startsWith(p))"
+    )
     env_secret_bad = (
         "has(e.valueFrom) && has(e.valueFrom.secretKeyRef)"
         f" && !{_listed_cel('e.valueFrom.secretKeyRef.name', f'{v}.secrets')}"
@@ -344,6 +388,12 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
         {
             "name": "badEnvSecrets",
             "expression": f"has(object.spec.env) ? object.spec.env.filter(e, {env_secret_bad}) : []",
+        },
+        {
+            "name": "badTolerations",
+            "expression": "has(object.spec.tolerations) ? object.spec.tolerations.filter(t, "
+            f"!('{ANY}' in {v}.tolerations) && (!has(t.key) || t.key == '' || (({taint_reserved_cel})"
+            f" && !{v}.tolerations.exists(a, a == t.key || (a.endsWith('*') && t.key.startsWith(a.substring(0, size(a) - 1))))))) : []",
         },
     ]
     hint = _cel_string("; " + ADMIN_HINT)
@@ -403,6 +453,15 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
             + f" + '].valueFrom.secretKeyRef.name: Secret ' + {v}.badEnvSecrets[0].valueFrom.secretKeyRef.name + "
             f"{_cel_string(' is not one runs may read (only model.tokenSecretRef and the Secrets the admin allows)')}"
             f" + {hint} + ', allowedSecrets'",
+        ),
+        check(
+            f"size({v}.badTolerations) == 0",
+            "'spec.tolerations[' + "
+            + _first_index("object.spec.tolerations", f"{v}.badTolerations")
+            + f"].key: a run may not tolerate ' + (has({v}.badTolerations[0].key) && {v}.badTolerations[0].key != ''"
+            + f" ? 'the taint ' + {v}.badTolerations[0].key + {_cel_string(TAINT_KINDS)}"
+            + " : 'every taint (a toleration without a key)')"
+            + f" + {hint} + ', allowedTolerations'",
         ),
         check(
             f"{v}.maxChips == 0 || {_chips_cel()} <= {v}.maxChips",
