@@ -458,7 +458,7 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
             f"size({v}.badTolerations) == 0",
             "'spec.tolerations[' + "
             + _first_index("object.spec.tolerations", f"{v}.badTolerations")
-            + f"].key: a run may not tolerate ' + (has({v}.badTolerations[0].key) && {v}.badTolerations[0].key != ''"
+            + f" + '].key: a run may not tolerate ' + (has({v}.badTolerations[0].key) && {v}.badTolerations[0].key != ''"
             + f" ? 'the taint ' + {v}.badTolerations[0].key + {_cel_string(TAINT_KINDS)}"
             + " : 'every taint (a toleration without a key)')"
             + f" + {hint} + ', allowedTolerations'",
