@@ -363,7 +363,8 @@ class Reconciler:
             # Kept until the watch catches up, reduced as the index reduces it (memory).
             self._written[key] = slim_finetune(self.api.patch_finetune_status(namespace, name, patch))
             self._created_at.pop(key, None)
-            self._post_transition_events(current, derived, patch, event, log)
+            max_restarts = (finetune.get("spec") or {}).get("maxRestarts")
+            self._post_transition_events(current, derived, patch, event, log, max_restarts=max_restarts)
         if derived["phase"] in TERMINAL_PHASES:
             # Nothing is created for a finished run again.
             self._renders.pop(key, None)
@@ -402,6 +403,8 @@ class Reconciler:
         patch: Mapping[str, Any],
         event: EventSink,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        *,
+        max_restarts: int | None = None,
     ) -> None:
         unschedulable = _became_unschedulable(current, derived)
         if patch.get("phase") and patch["phase"] != current.get("phase") and not unschedulable:
@@ -424,12 +427,38 @@ class Reconciler:
                 event("Warning", type_, message)
         if int(patch.get("restarts") or 0) > int(current.get("restarts") or 0):
             # Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running.
-            message = (
-                f"JobSet {derived.get('jobSetName')} restarted all its slices (restart {patch['restarts']}): "
-                "a TPU host failed, was preempted or lost its node (not a user error)"
-            )
-            log.warning("%s", message)
-            event("Warning", "JobSetRestarted", message)
+            kind, message = restart_message(current, derived, max_restarts)
+            log.log(logging.WARNING if kind == "Warning" else logging.INFO, "%s", message)
+            event(kind, "JobSetRestarted", message)
+
+
+def restart_message(current: Obj, derived: Obj, max_restarts: int | None) -> tuple[str, str]:
+    """(Event type, message) for a rise of status.restarts from ``current`` to ``derived``.
+
+    A restart that left the JobSet's counted restarts (restartsCounted) where they were followed a
+    checkpointed stop (exit 75: every host saved the step it reached, on preemption, a drain or
+    maintenance): nothing was lost, hence Normal. Any other restart is a Warning."""
+    before, now = int(current.get("restarts") or 0), int(derived.get("restarts") or 0)
+    which = f"restart {now}" if now == before + 1 else f"restarts {before + 1}-{now}"
+    head = f"JobSet {derived.get('jobSetName')} restarted all its slices ({which})"
+    failure = "a TPU host failed, was preempted or lost its node (not a user error)"
+    counted_now = derived.get("restartsCounted")
+    # A status written before restartsCounted existed tells nothing of the earlier ones (except that
+    # a run that never restarted has none).
+    counted_before = current.get("restartsCounted", 0 if before == 0 else None)
+    if counted_now is None or counted_before is None:
+        return "Warning", f"{head}: {failure}"
+    used = f"{counted_now} of {max_restarts} used" if max_restarts is not None else f"{counted_now} used"
+    # Fewer than before: a new JobSet (someone deleted the old one), which counts from 0.
+    counted = counted_now - counted_before if counted_now >= counted_before else counted_now
+    if counted == 0:
+        return "Normal", (
+            f"{head} after a checkpointed stop: every host saved the step it reached (exit 75), so it "
+            f"does not count against maxRestarts ({used})"
+        )
+    free = now - before - counted
+    also = f"; {free} of them after a checkpointed stop, not counted" if free > 0 else ""
+    return "Warning", f"{head}: {failure}; counted against maxRestarts ({used}){also}"
 
 
 def _condition_status(status: Obj, type_: str) -> str | None:

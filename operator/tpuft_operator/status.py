@@ -340,9 +340,12 @@ def derive_status(obs: Observed) -> dict[str, Any]:
     if obs.jobset is not None:
         status["jobSetName"] = obs.jobset["metadata"]["name"]
         status["restarts"] = max(int(jobset_status.get("restarts") or 0), int(previous.get("restarts") or 0))
+        status["restartsCounted"] = int(jobset_status.get("restartsCountTowardsMax") or 0)
     elif previous.get("jobSetName"):
         status["jobSetName"] = previous["jobSetName"]
         status["restarts"] = previous.get("restarts", 0)
+        if previous.get("restartsCounted") is not None:
+            status["restartsCounted"] = previous["restartsCounted"]
     start = previous.get("startTime")
     if start is None and derived.phase in {"Running", "Succeeded"}:
         start = _timestamp(obs.now)

@@ -270,6 +270,49 @@ def test_a_rising_restart_count_is_logged_and_posted_as_an_event(caplog: pytest.
     assert "JobSet run restarted all its slices (restart 1)" in caplog.text
 
 
+def test_restarts_counted_follow_the_jobsets_count_towards_max() -> None:
+    js = jobset(restarts=3)
+    js["status"]["restartsCountTowardsMax"] = 1  # two of the three followed a checkpointed stop
+    status = derive(
+        finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"}), js, [pod("a"), pod("b")]
+    )
+    assert status["restarts"] == 3 and status["restartsCounted"] == 1
+    # A deleted JobSet: the record stands until the new one is seen.
+    gone = derive(finetune(status), None)
+    assert gone["restarts"] == 3 and gone["restartsCounted"] == 1
+
+
+@pytest.mark.parametrize(
+    ("counted_before", "counted_now", "kind", "says"),
+    [
+        # Found by the fault suite (issue 17): a stop after which every host saved its step (exit 75)
+        # was reported as a failed host, a Warning, though it cost no work and no restart budget.
+        (1, 1, "Normal", "restarted all its slices (restart 3) after a checkpointed stop: every host saved "
+         "the step it reached (exit 75), so it does not count against maxRestarts (1 of 3 used)"),
+        (1, 2, "Warning", "restarted all its slices (restart 3): a TPU host failed, was preempted or lost "
+         "its node (not a user error); counted against maxRestarts (2 of 3 used)"),
+    ],
+)  # fmt: skip
+def test_a_restart_after_a_checkpointed_stop_is_told_from_a_failure(
+    counted_before: int, counted_now: int, kind: str, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    posted: list[tuple[str, str, str]] = []
+    current = {"phase": "Running", "restarts": 2, "restartsCounted": counted_before, "jobSetName": "run"}
+    derived = {**current, "restarts": 3, "restartsCounted": counted_now}
+    with caplog.at_level(logging.INFO):
+        Reconciler._post_transition_events(
+            current,
+            derived,
+            {"restarts": 3},
+            lambda *e: posted.append(e),
+            logging.getLogger("t"),
+            max_restarts=3,
+        )
+    assert [(k, reason) for k, reason, _ in posted] == [(kind, "JobSetRestarted")]
+    assert says in posted[0][2] and says in caplog.text
+    assert caplog.records[-1].levelno == (logging.INFO if kind == "Normal" else logging.WARNING)
+
+
 def test_a_finished_run_derived_again_needs_no_patch() -> None:
     running = derive(finetune(), jobset(), [pod("a"), pod("b")])
     done = derive(finetune(running), jobset(conditions=[{"type": "Completed", "status": "True"}]))

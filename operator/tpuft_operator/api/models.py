@@ -616,6 +616,15 @@ class TPUFineTuneStatus(_Spec):
     chips: int | None = Field(default=None, ge=0, description="TPU chips in use (all slices).")
     hosts: int | None = Field(default=None, ge=0, description="TPU VMs (pods) in use (all slices).")
     restarts: int | None = Field(default=None, ge=0, description="Restarts of the whole run so far.")
+    restarts_counted: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Restarts of the current JobSet that count against spec.maxRestarts (its "
+            "restartsCountTowardsMax): a restart after a checkpointed stop does not. A JobSet recreated "
+            "after someone deleted it starts again from 0."
+        ),
+    )
     start_time: datetime | None = Field(default=None, description="When training first started.")
     completion_time: datetime | None = Field(default=None, description="When the run succeeded or failed.")
     progress: Progress | None = Field(default=None, description="Training progress.")
