@@ -23,6 +23,7 @@ from tpuft_operator.k8s import Api, ApiError
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.slim import slim_finetune, slim_jobset
 from tpuft_operator.status import (
+    EARLIER_RESTARTS_ANNOTATION,
     TERMINAL_PHASES,
     Observed,
     current_pods,
@@ -283,7 +284,11 @@ class Reconciler:
         if decision.create and rendered is not None:
             try:
                 self._ensure_namespace_identity(rendered)
-                for obj in rendered.objects:
+                restarts_so_far = int((finetune.get("status") or {}).get("restarts") or 0)
+                for rendered_obj in rendered.objects:
+                    obj: Obj = rendered_obj
+                    if obj["kind"] == "JobSet" and decision.recreated:
+                        obj = _with_earlier_restarts(obj, restarts_so_far)
                     live, created = self.api.create_or_adopt(obj)
                     if obj["kind"] == "JobSet":
                         jobset = slim_jobset(live)
@@ -459,6 +464,14 @@ def restart_message(current: Obj, derived: Obj, max_restarts: int | None) -> tup
     free = now - before - counted
     also = f"; {free} of them after a checkpointed stop, not counted" if free > 0 else ""
     return "Warning", f"{head}: {failure}; counted against maxRestarts ({used}){also}"
+
+
+def _with_earlier_restarts(jobset: Obj, restarts: int) -> Obj:
+    """The JobSet to recreate, carrying the run's restarts so far (status.EARLIER_RESTARTS_ANNOTATION):
+    the new JobSet counts from 0, and the run's count must go on from where it was."""
+    meta = dict(jobset["metadata"])
+    meta["annotations"] = {**(meta.get("annotations") or {}), EARLIER_RESTARTS_ANNOTATION: str(restarts)}
+    return {**jobset, "metadata": meta}
 
 
 def _condition_status(status: Obj, type_: str) -> str | None:

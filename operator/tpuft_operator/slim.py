@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
-from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
+from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
 
 
 def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,8 +36,12 @@ def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
+    earlier = (meta.get("annotations") or {}).get(EARLIER_RESTARTS_ANNOTATION)
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+        "metadata": {
+            **{k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+            **({"annotations": {EARLIER_RESTARTS_ANNOTATION: earlier}} if earlier is not None else {}),
+        },
         "spec": {"suspend": (body.get("spec") or {}).get("suspend")},
         "status": body.get("status") or {},
     }

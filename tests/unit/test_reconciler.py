@@ -16,6 +16,7 @@ from tests.unit.test_status import NOW, finetune, pod
 from tpuft_operator import reconcile
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
+from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION
 from tpuft_operator.topology import SliceShape
 
 KEY = ("ns", "run")
@@ -26,6 +27,7 @@ class RecordingApi:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.bodies: list[dict[str, Any]] = []  # what was sent to create
         self.existing: set[tuple[str, str]] = set()
         self.resource_version = 100
 
@@ -33,6 +35,7 @@ class RecordingApi:
         key = (obj["kind"], obj["metadata"]["name"])
         created = key not in self.existing
         self.calls.append(("create" if created else "adopt", obj["kind"]))
+        self.bodies.append(copy.deepcopy(dict(obj)))
         self.existing.add(key)
         return {**copy.deepcopy(dict(obj)), "status": {}}, created
 
@@ -159,6 +162,23 @@ def test_a_deleted_jobset_is_recreated() -> None:
     r.reconcile(run, None, [], event=events)
     assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet"), ("create", "JobSet")]
     assert "JobSetRecreated" in events.posted
+
+
+def test_a_recreated_jobset_carries_the_runs_restarts_so_far() -> None:
+    # Found by the fault suite (issue 17): the new JobSet counts from 0, so a run that lost its JobSet
+    # after two restarts reported 2 until the new JobSet had restarted three times.
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    run = finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"})
+    run["metadata"]["resourceVersion"] = "5"
+    r.reconcile(run, None, [], event=Events())
+    (jobset,) = [b for b in api.bodies if b["kind"] == "JobSet"]
+    assert jobset["metadata"]["annotations"][EARLIER_RESTARTS_ANNOTATION] == "2"
+    # A JobSet of the run's first creation carries nothing.
+    first = RecordingApi()
+    reconciler(first)[0].reconcile(new_run(), None, [], event=Events())
+    (jobset,) = [b for b in first.bodies if b["kind"] == "JobSet"]
+    assert EARLIER_RESTARTS_ANNOTATION not in (jobset["metadata"].get("annotations") or {})
 
 
 def test_the_render_is_reused_until_the_spec_changes(monkeypatch: pytest.MonkeyPatch) -> None:

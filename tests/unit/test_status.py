@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tpuft_operator.reconcile import Decision, Reconciler, decide
-from tpuft_operator.status import Observed, derive_status, status_patch
+from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, Observed, derive_status, status_patch
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -280,6 +280,16 @@ def test_restarts_counted_follow_the_jobsets_count_towards_max() -> None:
     # A deleted JobSet: the record stands until the new one is seen.
     gone = derive(finetune(status), None)
     assert gone["restarts"] == 3 and gone["restartsCounted"] == 1
+
+
+def test_a_recreated_jobsets_restarts_add_to_the_earlier_ones() -> None:
+    js = jobset(restarts=1)
+    js["metadata"]["annotations"] = {EARLIER_RESTARTS_ANNOTATION: "2"}
+    before = finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"})
+    assert derive(before, js, [pod("a"), pod("b")])["restarts"] == 3
+    assert derive(finetune(), js, [pod("a"), pod("b")])["restarts"] == 3  # also from a wiped status
+    raised = finetune({"phase": "Running", "restarts": 7, "jobSetName": "run"})
+    assert derive(raised, js, [pod("a"), pod("b")])["restarts"] == 7  # a count raised by hand sticks
 
 
 @pytest.mark.parametrize(
