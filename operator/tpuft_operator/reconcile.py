@@ -365,11 +365,14 @@ class Reconciler:
         if settle > 0:
             self.defer(key, settle)  # the next reconcile writes whatever is true by then
         elif patch is not None:
+            max_restarts = (finetune.get("spec") or {}).get("maxRestarts")
+            restart = self._announce_restart(current, derived, patch, log, max_restarts=max_restarts)
             # Kept until the watch catches up, reduced as the index reduces it (memory).
             self._written[key] = slim_finetune(self.api.patch_finetune_status(namespace, name, patch))
             self._created_at.pop(key, None)
-            max_restarts = (finetune.get("spec") or {}).get("maxRestarts")
-            self._post_transition_events(current, derived, patch, event, log, max_restarts=max_restarts)
+            self._post_transition_events(current, derived, patch, event, log)
+            if restart is not None:
+                event(restart[0], "JobSetRestarted", restart[1])
         if derived["phase"] in TERMINAL_PHASES:
             # Nothing is created for a finished run again.
             self._renders.pop(key, None)
@@ -408,8 +411,6 @@ class Reconciler:
         patch: Mapping[str, Any],
         event: EventSink,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
-        *,
-        max_restarts: int | None = None,
     ) -> None:
         unschedulable = _became_unschedulable(current, derived)
         if patch.get("phase") and patch["phase"] != current.get("phase") and not unschedulable:
@@ -430,11 +431,28 @@ class Reconciler:
                 message = next(c["message"] for c in derived["conditions"] if c["type"] == type_)
                 log.warning("%s: %s", type_, message)
                 event("Warning", type_, message)
-        if int(patch.get("restarts") or 0) > int(current.get("restarts") or 0):
-            # Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running.
-            kind, message = restart_message(current, derived, max_restarts)
-            log.log(logging.WARNING if kind == "Warning" else logging.INFO, "%s", message)
-            event(kind, "JobSetRestarted", message)
+
+    @staticmethod
+    def _announce_restart(
+        current: Obj,
+        derived: Mapping[str, Any],
+        patch: Mapping[str, Any],
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        *,
+        max_restarts: int | None = None,
+    ) -> tuple[str, str] | None:
+        """Logs a rise of status.restarts, before the status write; returns the Event to post after it.
+
+        Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running. Logged
+        first because the restart happened whether or not our write lands: found by the fault suite,
+        an operator SIGKILLed between the write and the line left a restart nobody explained (its
+        next life finds the count already written), where now a crash or a failed write can only
+        repeat the line."""
+        if int(patch.get("restarts") or 0) <= int(current.get("restarts") or 0):
+            return None
+        kind, message = restart_message(current, derived, max_restarts)
+        log.log(logging.WARNING if kind == "Warning" else logging.INFO, "%s", message)
+        return kind, message
 
 
 def restart_message(current: Obj, derived: Obj, max_restarts: int | None) -> tuple[str, str]:

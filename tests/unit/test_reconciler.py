@@ -6,14 +6,17 @@ of writes per run, which the benchmark measures at scale, is pinned down exactly
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
-from tests.unit.test_status import NOW, finetune, pod
+from tests.unit.test_status import NOW, finetune, jobset, pod
 from tpuft_operator import reconcile
+from tpuft_operator.k8s import ApiError
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
 from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION
@@ -172,13 +175,38 @@ def test_a_recreated_jobset_carries_the_runs_restarts_so_far() -> None:
     run = finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"})
     run["metadata"]["resourceVersion"] = "5"
     r.reconcile(run, None, [], event=Events())
-    (jobset,) = [b for b in api.bodies if b["kind"] == "JobSet"]
-    assert jobset["metadata"]["annotations"][EARLIER_RESTARTS_ANNOTATION] == "2"
+    (created,) = [b for b in api.bodies if b["kind"] == "JobSet"]
+    assert created["metadata"]["annotations"][EARLIER_RESTARTS_ANNOTATION] == "2"
     # A JobSet of the run's first creation carries nothing.
     first = RecordingApi()
     reconciler(first)[0].reconcile(new_run(), None, [], event=Events())
-    (jobset,) = [b for b in first.bodies if b["kind"] == "JobSet"]
-    assert EARLIER_RESTARTS_ANNOTATION not in (jobset["metadata"].get("annotations") or {})
+    (created,) = [b for b in first.bodies if b["kind"] == "JobSet"]
+    assert EARLIER_RESTARTS_ANNOTATION not in (created["metadata"].get("annotations") or {})
+
+
+def test_a_restart_is_logged_before_the_status_write_and_posted_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by the fault suite: an operator SIGKILLed between its status write and the log line left a
+    # restart that no line explained, since its next life found the count already written.
+    class FailingApi(RecordingApi):
+        def patch_finetune_status(
+            self, namespace: str, name: str, status: Mapping[str, Any]
+        ) -> dict[str, Any]:
+            raise ApiError("updating the status: cannot reach the API server", status=0, retryable=True)
+
+    run = finetune({"phase": "Running", "restarts": 0, "restartsCounted": 0, "jobSetName": "run"})
+    run["metadata"]["resourceVersion"] = "5"
+    restarted = jobset(restarts=1)
+    restarted["status"]["restartsCountTowardsMax"] = 1
+    for api, written in ((FailingApi(), False), (RecordingApi(), True)):
+        api.existing.add(("JobSet", "run"))
+        events = Events()
+        caplog.clear()
+        with caplog.at_level(logging.INFO), contextlib.suppress(ApiError):
+            reconciler(api)[0].reconcile(run, restarted, running_pods(), event=events)
+        assert "JobSet run restarted all its slices (restart 1)" in caplog.text
+        assert ("JobSetRestarted" in events.posted) == written
 
 
 def test_the_render_is_reused_until_the_spec_changes(monkeypatch: pytest.MonkeyPatch) -> None:

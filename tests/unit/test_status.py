@@ -259,15 +259,15 @@ def test_a_terminal_phase_stands_when_its_jobset_finished_or_is_gone() -> None:
 
 def test_a_rising_restart_count_is_logged_and_posted_as_an_event(caplog: pytest.LogCaptureFixture) -> None:
     # Without it a preemption shows in the operator's log only as Running -> Pending -> Running.
-    posted: list[tuple[str, str, str]] = []
     current = {"phase": "Running", "restarts": 0, "jobSetName": "run"}
     derived = {**current, "restarts": 1}
     with caplog.at_level(logging.WARNING):
-        Reconciler._post_transition_events(
-            current, derived, {"restarts": 1}, lambda *e: posted.append(e), logging.getLogger("t")
-        )
-    assert [(kind, reason) for kind, reason, _ in posted] == [("Warning", "JobSetRestarted")]
+        announced = Reconciler._announce_restart(current, derived, {"restarts": 1}, logging.getLogger("t"))
+    assert announced is not None and announced[0] == "Warning"
     assert "JobSet run restarted all its slices (restart 1)" in caplog.text
+    assert (
+        Reconciler._announce_restart(derived, derived, {"phase": "Running"}, logging.getLogger("t")) is None
+    )
 
 
 def test_restarts_counted_follow_the_jobsets_count_towards_max() -> None:
@@ -306,20 +306,14 @@ def test_a_recreated_jobsets_restarts_add_to_the_earlier_ones() -> None:
 def test_a_restart_after_a_checkpointed_stop_is_told_from_a_failure(
     counted_before: int, counted_now: int, kind: str, says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    posted: list[tuple[str, str, str]] = []
     current = {"phase": "Running", "restarts": 2, "restartsCounted": counted_before, "jobSetName": "run"}
     derived = {**current, "restarts": 3, "restartsCounted": counted_now}
     with caplog.at_level(logging.INFO):
-        Reconciler._post_transition_events(
-            current,
-            derived,
-            {"restarts": 3},
-            lambda *e: posted.append(e),
-            logging.getLogger("t"),
-            max_restarts=3,
+        announced = Reconciler._announce_restart(
+            current, derived, {"restarts": 3}, logging.getLogger("t"), max_restarts=3
         )
-    assert [(k, reason) for k, reason, _ in posted] == [(kind, "JobSetRestarted")]
-    assert says in posted[0][2] and says in caplog.text
+    assert announced is not None and announced[0] == kind
+    assert says in announced[1] and says in caplog.text
     assert caplog.records[-1].levelno == (logging.INFO if kind == "Normal" else logging.WARNING)
 
 
