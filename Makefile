@@ -51,9 +51,11 @@ demo: venv binaries
 bench: venv binaries
 	@$(PY) -m bench
 
-# The fault suite, longer than the round `make test` runs (TPUFT_CHAOS_ROUNDS rounds of every fault).
+# The fault suite, longer than the round `make test` runs: TPUFT_CHAOS_ROUNDS rounds of every fault,
+# each kind in batches of TPUFT_CHAOS_BATCH (500+ faults with the defaults; a line per round).
 chaos: venv binaries
-	@TPUFT_CHAOS_ROUNDS=$${TPUFT_CHAOS_ROUNDS:-5} $(PY) -m pytest tests/e2e/test_faults.py
+	@TPUFT_CHAOS_ROUNDS=$${TPUFT_CHAOS_ROUNDS:-5} TPUFT_CHAOS_BATCH=$${TPUFT_CHAOS_BATCH:-25} \
+		$(PY) -m pytest tests/e2e/test_faults.py
 
 clean-cluster: venv
 	@$(TPUFT) cluster down --all

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -60,6 +61,8 @@ def _wrap(error: ApiException, what: str) -> ApiError:
     with contextlib.suppress(ValueError, AttributeError):
         reason = json.loads(error.body or "{}").get("message") or reason
     retryable = status not in (400, 403, 404, 422) or status == 0
+    if status == 0:  # no answer at all (see Api._call)
+        return ApiError(f"{what}: {reason}", status=0, retryable=True)
     return ApiError(f"{what}: HTTP {status}: {reason}", status=status, retryable=retryable)
 
 
@@ -126,7 +129,15 @@ class Api:
             body=body,
             auth_settings=["BearerToken"],
         )
-        response = self.client.call_api(method, url, header_params=headers, body=payload, _request_timeout=60)
+        try:
+            response = self.client.call_api(
+                method, url, header_params=headers, body=payload, _request_timeout=60
+            )
+        except urllib3.exceptions.HTTPError as error:
+            # No HTTP answer (connection refused, reset or timed out: an API server restarting). Found
+            # by the fault suite: these escaped as plain exceptions, logged with a traceback per run.
+            cause = getattr(error, "reason", None) or error
+            raise ApiException(status=0, reason=f"cannot reach the API server: {cause}") from error
         response.read()
         if not 200 <= response.status < 300:
             raise ApiException(http_resp=response)

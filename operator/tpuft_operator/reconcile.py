@@ -25,6 +25,7 @@ from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
 from tpuft_operator.slim import slim_finetune, slim_jobset
 from tpuft_operator.status import (
+    EARLIER_RESTARTS_ANNOTATION,
     TERMINAL_PHASES,
     Observed,
     current_pods,
@@ -327,7 +328,11 @@ class Reconciler:
         if decision.create and rendered is not None:
             try:
                 self._ensure_namespace_identity(rendered)
-                for obj in rendered.objects:
+                restarts_so_far = int((finetune.get("status") or {}).get("restarts") or 0)
+                for rendered_obj in rendered.objects:
+                    obj: Obj = rendered_obj
+                    if obj["kind"] == "JobSet" and decision.recreated:
+                        obj = _with_earlier_restarts(obj, restarts_so_far)
                     live, created = self.api.create_or_adopt(obj)
                     if obj["kind"] == "JobSet":
                         jobset = slim_jobset(live)
@@ -413,10 +418,14 @@ class Reconciler:
         if settle > 0:
             self._defer(key, settle)  # the next reconcile writes whatever is true by then
         elif patch is not None:
+            max_restarts = (finetune.get("spec") or {}).get("maxRestarts")
+            restart = self._announce_restart(current, derived, patch, log, max_restarts=max_restarts)
             # Kept until the watch catches up, reduced as the index reduces it (memory).
             self._written[key] = slim_finetune(self.api.patch_finetune_status(namespace, name, patch))
             self._created_at.pop(key, None)
             self._post_transition_events(current, derived, patch, event, log)
+            if restart is not None:
+                event(restart[0], "JobSetRestarted", restart[1])
         if derived["phase"] in TERMINAL_PHASES:
             # Nothing is created for a finished run again.
             self._renders.pop(key, None)
@@ -532,14 +541,65 @@ class Reconciler:
                 message = next(c["message"] for c in derived["conditions"] if c["type"] == type_)
                 log.warning("%s: %s", type_, message)
                 event("Warning", type_, message)
-        if int(patch.get("restarts") or 0) > int(current.get("restarts") or 0):
-            # Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running.
-            message = (
-                f"JobSet {derived.get('jobSetName')} restarted all its slices (restart {patch['restarts']}): "
-                "a TPU host failed, was preempted or lost its node (not a user error)"
-            )
-            log.warning("%s", message)
-            event("Warning", "JobSetRestarted", message)
+
+    @staticmethod
+    def _announce_restart(
+        current: Obj,
+        derived: Mapping[str, Any],
+        patch: Mapping[str, Any],
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        *,
+        max_restarts: int | None = None,
+    ) -> tuple[str, str] | None:
+        """Logs a rise of status.restarts, before the status write; returns the Event to post after it.
+
+        Otherwise a preemption or crash shows in the log only as Running -> Pending -> Running. Logged
+        first because the restart happened whether or not our write lands: found by the fault suite,
+        an operator SIGKILLed between the write and the line left a restart nobody explained (its
+        next life finds the count already written), where now a crash or a failed write can only
+        repeat the line."""
+        if int(patch.get("restarts") or 0) <= int(current.get("restarts") or 0):
+            return None
+        kind, message = restart_message(current, derived, max_restarts)
+        log.log(logging.WARNING if kind == "Warning" else logging.INFO, "%s", message)
+        return kind, message
+
+
+def restart_message(current: Obj, derived: Obj, max_restarts: int | None) -> tuple[str, str]:
+    """(Event type, message) for a rise of status.restarts from ``current`` to ``derived``.
+
+    A restart that left the JobSet's counted restarts (restartsCounted) where they were followed a
+    checkpointed stop (exit 75: every host saved the step it reached, on preemption, a drain or
+    maintenance): nothing was lost, hence Normal. Any other restart is a Warning."""
+    before, now = int(current.get("restarts") or 0), int(derived.get("restarts") or 0)
+    which = f"restart {now}" if now == before + 1 else f"restarts {before + 1}-{now}"
+    head = f"JobSet {derived.get('jobSetName')} restarted all its slices ({which})"
+    failure = "a TPU host failed, was preempted or lost its node (not a user error)"
+    counted_now = derived.get("restartsCounted")
+    # A status written before restartsCounted existed tells nothing of the earlier ones (except that
+    # a run that never restarted has none).
+    counted_before = current.get("restartsCounted", 0 if before == 0 else None)
+    if counted_now is None or counted_before is None:
+        return "Warning", f"{head}: {failure}"
+    used = f"{counted_now} of {max_restarts} used" if max_restarts is not None else f"{counted_now} used"
+    # Fewer than before: a new JobSet (someone deleted the old one), which counts from 0.
+    counted = counted_now - counted_before if counted_now >= counted_before else counted_now
+    if counted == 0:
+        return "Normal", (
+            f"{head} after a checkpointed stop: every host saved the step it reached (exit 75), so it "
+            f"does not count against maxRestarts ({used})"
+        )
+    free = now - before - counted
+    also = f"; {free} of them after a checkpointed stop, not counted" if free > 0 else ""
+    return "Warning", f"{head}: {failure}; counted against maxRestarts ({used}){also}"
+
+
+def _with_earlier_restarts(jobset: Obj, restarts: int) -> Obj:
+    """The JobSet to recreate, carrying the run's restarts so far (status.EARLIER_RESTARTS_ANNOTATION):
+    the new JobSet counts from 0, and the run's count must go on from where it was."""
+    meta = dict(jobset["metadata"])
+    meta["annotations"] = {**(meta.get("annotations") or {}), EARLIER_RESTARTS_ANNOTATION: str(restarts)}
+    return {**jobset, "metadata": meta}
 
 
 def _condition_status(status: Obj, type_: str) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
-from tpuft_operator.status import JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
+from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
 
 
 def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,11 +38,13 @@ def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     # Its controller: the one run that may act on it (k8s.controller_uid).
     owners = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
+    earlier = (meta.get("annotations") or {}).get(EARLIER_RESTARTS_ANNOTATION)
     return {
         "metadata": {
             # creationTimestamp: how long its pods may take to appear before the operator asks why.
             **{k: meta[k] for k in ("name", "namespace", "uid", "creationTimestamp") if k in meta},
             **({"ownerReferences": owners} if owners else {}),
+            **({"annotations": {EARLIER_RESTARTS_ANNOTATION: earlier}} if earlier is not None else {}),
         },
         "spec": {"suspend": (body.get("spec") or {}).get("suspend")},
         "status": body.get("status") or {},

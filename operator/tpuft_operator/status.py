@@ -111,6 +111,17 @@ def _pod_running(pod: Obj) -> bool:
 
 JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+# On a JobSet the operator recreated (someone deleted the run's earlier one): status.restarts as it
+# stood then, so the run's count is the earlier JobSets' restarts plus this one's.
+EARLIER_RESTARTS_ANNOTATION = "tpuft.dev/earlier-restarts"
+
+
+def earlier_restarts(jobset: Obj) -> int:
+    """The restarts of the run's JobSets before ``jobset`` (0 for its first JobSet)."""
+    value = str(
+        ((jobset.get("metadata") or {}).get("annotations") or {}).get(EARLIER_RESTARTS_ANNOTATION, "")
+    )
+    return int(value) if value.isdigit() else 0
 
 
 def current_pods(pods: Sequence[Obj], jobset: Obj | None) -> list[Obj]:
@@ -371,10 +382,19 @@ def derive_status(obs: Observed) -> dict[str, Any]:
         status["hosts"] = obs.hosts
     if obs.jobset is not None:
         status["jobSetName"] = obs.jobset["metadata"]["name"]
-        status["restarts"] = max(int(jobset_status.get("restarts") or 0), int(previous.get("restarts") or 0))
+        # The larger: a count raised by hand sticks. Found by the fault suite: with the JobSet's own
+        # count alone, a run whose JobSet was recreated did not count its next restarts until the
+        # new JobSet's count caught up with the old one (nor a wiped status the earlier ones).
+        status["restarts"] = max(
+            earlier_restarts(obs.jobset) + int(jobset_status.get("restarts") or 0),
+            int(previous.get("restarts") or 0),
+        )
+        status["restartsCounted"] = int(jobset_status.get("restartsCountTowardsMax") or 0)
     elif previous.get("jobSetName"):
         status["jobSetName"] = previous["jobSetName"]
         status["restarts"] = previous.get("restarts", 0)
+        if previous.get("restartsCounted") is not None:
+            status["restartsCounted"] = previous["restartsCounted"]
     start = previous.get("startTime")
     if start is None and derived.phase in {"Running", "Succeeded"}:
         start = _timestamp(obs.now)

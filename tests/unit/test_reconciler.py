@@ -6,7 +6,9 @@ of writes per run, which the benchmark measures at scale, is pinned down exactly
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,8 +16,10 @@ import pytest
 
 from tests.unit.test_status import NOW, finetune, jobset, pod
 from tpuft_operator import reconcile
+from tpuft_operator.k8s import ApiError
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
+from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION
 from tpuft_operator.topology import SliceShape
 
 KEY = ("ns", "run")
@@ -28,6 +32,7 @@ class RecordingApi:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.bodies: list[dict[str, Any]] = []  # what was sent to create
         self.existing: set[tuple[str, str]] = set()
         self.resource_version = 100
 
@@ -35,6 +40,7 @@ class RecordingApi:
         key = (obj["kind"], obj["metadata"]["name"])
         created = key not in self.existing
         self.calls.append(("create" if created else "adopt", obj["kind"]))
+        self.bodies.append(copy.deepcopy(dict(obj)))
         self.existing.add(key)
         return {**copy.deepcopy(dict(obj)), "status": {}}, created
 
@@ -170,6 +176,48 @@ def test_a_deleted_jobset_is_recreated() -> None:
     r.reconcile(run, None, [], event=events)
     assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet"), ("create", "JobSet")]
     assert "JobSetRecreated" in events.posted
+
+
+def test_a_recreated_jobset_carries_the_runs_restarts_so_far() -> None:
+    # Found by the fault suite (issue 17): the new JobSet counts from 0, so a run that lost its JobSet
+    # after two restarts reported 2 until the new JobSet had restarted three times.
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    run = finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"})
+    run["metadata"]["resourceVersion"] = "5"
+    r.reconcile(run, None, [], event=Events())
+    (created,) = [b for b in api.bodies if b["kind"] == "JobSet"]
+    assert created["metadata"]["annotations"][EARLIER_RESTARTS_ANNOTATION] == "2"
+    # A JobSet of the run's first creation carries nothing.
+    first = RecordingApi()
+    reconciler(first)[0].reconcile(new_run(), None, [], event=Events())
+    (created,) = [b for b in first.bodies if b["kind"] == "JobSet"]
+    assert EARLIER_RESTARTS_ANNOTATION not in (created["metadata"].get("annotations") or {})
+
+
+def test_a_restart_is_logged_before_the_status_write_and_posted_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by the fault suite: an operator SIGKILLed between its status write and the log line left a
+    # restart that no line explained, since its next life found the count already written.
+    class FailingApi(RecordingApi):
+        def patch_finetune_status(
+            self, namespace: str, name: str, status: Mapping[str, Any]
+        ) -> dict[str, Any]:
+            raise ApiError("updating the status: cannot reach the API server", status=0, retryable=True)
+
+    run = finetune({"phase": "Running", "restarts": 0, "restartsCounted": 0, "jobSetName": "run"})
+    run["metadata"]["resourceVersion"] = "5"
+    restarted = jobset(restarts=1)
+    restarted["status"]["restartsCountTowardsMax"] = 1
+    for api, written in ((FailingApi(), False), (RecordingApi(), True)):
+        api.existing.add(("JobSet", "run"))
+        events = Events()
+        caplog.clear()
+        with caplog.at_level(logging.INFO), contextlib.suppress(ApiError):
+            reconciler(api)[0].reconcile(run, restarted, running_pods(), event=events)
+        assert "JobSet run restarted all its slices (restart 1)" in caplog.text
+        assert ("JobSetRestarted" in events.posted) == written
 
 
 def test_the_render_is_reused_until_the_spec_changes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tpuft_operator.reconcile import Decision, Reconciler, decide
-from tpuft_operator.status import Observed, derive_status, status_patch
+from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, Observed, derive_status, status_patch
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -272,15 +272,62 @@ def test_a_terminal_phase_stands_when_its_jobset_finished_or_is_gone() -> None:
 
 def test_a_rising_restart_count_is_logged_and_posted_as_an_event(caplog: pytest.LogCaptureFixture) -> None:
     # Without it a preemption shows in the operator's log only as Running -> Pending -> Running.
-    posted: list[tuple[str, str, str]] = []
     current = {"phase": "Running", "restarts": 0, "jobSetName": "run"}
     derived = {**current, "restarts": 1}
     with caplog.at_level(logging.WARNING):
-        Reconciler._post_transition_events(
-            current, derived, {"restarts": 1}, lambda *e: posted.append(e), logging.getLogger("t")
-        )
-    assert [(kind, reason) for kind, reason, _ in posted] == [("Warning", "JobSetRestarted")]
+        announced = Reconciler._announce_restart(current, derived, {"restarts": 1}, logging.getLogger("t"))
+    assert announced is not None and announced[0] == "Warning"
     assert "JobSet run restarted all its slices (restart 1)" in caplog.text
+    assert (
+        Reconciler._announce_restart(derived, derived, {"phase": "Running"}, logging.getLogger("t")) is None
+    )
+
+
+def test_restarts_counted_follow_the_jobsets_count_towards_max() -> None:
+    js = jobset(restarts=3)
+    js["status"]["restartsCountTowardsMax"] = 1  # two of the three followed a checkpointed stop
+    status = derive(
+        finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"}), js, [pod("a"), pod("b")]
+    )
+    assert status["restarts"] == 3 and status["restartsCounted"] == 1
+    # A deleted JobSet: the record stands until the new one is seen.
+    gone = derive(finetune(status), None)
+    assert gone["restarts"] == 3 and gone["restartsCounted"] == 1
+
+
+def test_a_recreated_jobsets_restarts_add_to_the_earlier_ones() -> None:
+    js = jobset(restarts=1)
+    js["metadata"]["annotations"] = {EARLIER_RESTARTS_ANNOTATION: "2"}
+    before = finetune({"phase": "Running", "restarts": 2, "jobSetName": "run"})
+    assert derive(before, js, [pod("a"), pod("b")])["restarts"] == 3
+    assert derive(finetune(), js, [pod("a"), pod("b")])["restarts"] == 3  # also from a wiped status
+    raised = finetune({"phase": "Running", "restarts": 7, "jobSetName": "run"})
+    assert derive(raised, js, [pod("a"), pod("b")])["restarts"] == 7  # a count raised by hand sticks
+
+
+@pytest.mark.parametrize(
+    ("counted_before", "counted_now", "kind", "says"),
+    [
+        # Found by the fault suite (issue 17): a stop after which every host saved its step (exit 75)
+        # was reported as a failed host, a Warning, though it cost no work and no restart budget.
+        (1, 1, "Normal", "restarted all its slices (restart 3) after a checkpointed stop: every host saved "
+         "the step it reached (exit 75), so it does not count against maxRestarts (1 of 3 used)"),
+        (1, 2, "Warning", "restarted all its slices (restart 3): a TPU host failed, was preempted or lost "
+         "its node (not a user error); counted against maxRestarts (2 of 3 used)"),
+    ],
+)  # fmt: skip
+def test_a_restart_after_a_checkpointed_stop_is_told_from_a_failure(
+    counted_before: int, counted_now: int, kind: str, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    current = {"phase": "Running", "restarts": 2, "restartsCounted": counted_before, "jobSetName": "run"}
+    derived = {**current, "restarts": 3, "restartsCounted": counted_now}
+    with caplog.at_level(logging.INFO):
+        announced = Reconciler._announce_restart(
+            current, derived, {"restarts": 3}, logging.getLogger("t"), max_restarts=3
+        )
+    assert announced is not None and announced[0] == kind
+    assert says in announced[1] and says in caplog.text
+    assert caplog.records[-1].levelno == (logging.INFO if kind == "Normal" else logging.WARNING)
 
 
 def test_a_finished_run_derived_again_needs_no_patch() -> None:

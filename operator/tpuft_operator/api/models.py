@@ -710,6 +710,15 @@ class TPUFineTuneStatus(_Spec):
         ),
     )
     restarts: int | None = Field(default=None, ge=0, description="Restarts of the whole run so far.")
+    restarts_counted: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Restarts of the current JobSet that count against spec.maxRestarts (its "
+            "restartsCountTowardsMax): a restart after a checkpointed stop does not. A JobSet recreated "
+            "after someone deleted it starts again from 0."
+        ),
+    )
     start_time: datetime | None = Field(default=None, description="When training first started.")
     completion_time: datetime | None = Field(default=None, description="When the run succeeded or failed.")
     progress: Progress | None = Field(default=None, description="Training progress.")
