@@ -164,3 +164,19 @@ def test_node_pools_have_the_chips_of_their_shape(shape_key: tuple[str, str], sl
         assert node["metadata"]["labels"][topology.ACCELERATOR_LABEL] == shape.family.accelerator
         assert node["metadata"]["labels"][topology.TOPOLOGY_LABEL] == shape.topology
         assert kwok.TPU_TAINT in node["spec"]["taints"]
+
+
+def test_down_all_removes_every_cluster_under_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from tpuft_operator.cluster.cli import cluster
+
+    for name in ("default", "demo"):
+        (tmp_path / "clusters" / name / "logs").mkdir(parents=True)
+    monkeypatch.setenv("TPUFT_CACHE", str(tmp_path))
+    result = CliRunner().invoke(cluster, ["down", "--all"])
+    assert result.exit_code == 0, result.output
+    assert "cluster 'default' is down" in result.output and "cluster 'demo' is down" in result.output
+    assert list((tmp_path / "clusters").iterdir()) == []

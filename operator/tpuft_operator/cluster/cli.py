@@ -81,9 +81,18 @@ def up(name: str, timeout: float) -> None:
 
 @cluster.command()
 @name_option
-def down(name: str) -> None:
+@click.option(
+    "--all", "every", is_flag=True, help="Every local cluster on this machine (all names under the cache)."
+)
+def down(name: str, every: bool) -> None:
     """Stop every component and delete the cluster's state (etcd data, certificates, logs)."""
-    _run("cluster down", lambda: _cluster(name).down())
+
+    def go() -> None:
+        for one in LocalCluster.every(log=_err) if every else [_cluster(name)]:
+            one.down()
+            _err(f"cluster {one.name!r} is down")
+
+    _run("cluster down", go)
 
 
 @cluster.command()

@@ -272,6 +272,13 @@ class LocalCluster:
             f"{component.name} is running but not healthy; last lines of {log_path}:\n{_tail(log_path)}"
         )
 
+    @classmethod
+    def every(cls, cache: Path | None = None, log: Log = print) -> list[LocalCluster]:
+        """Every cluster with state under the cache (``tpuft cluster down --all``)."""
+        root = (cache or default_cache()) / "clusters"
+        names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return [cls(name=name, cache=cache, log=log) for name in names]
+
     def down(self) -> None:
         """Stops every component (in reverse order) and removes the cluster's state."""
         if not self.layout.root.exists():
