@@ -10,9 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tpuft_operator.api.policy import DEFAULT_MAX_CHIPS, DEFAULT_VOLUME_TYPES, AdminPolicy
-from tpuft_operator.render.settings import RenderSettings
-
-DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
+from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, RenderSettings
 
 
 def _setting(default: Any, help: str, env: str, **extra: Any) -> Any:

@@ -224,16 +224,6 @@ def _valid_3d(dims: tuple[int, ...], family: TpuFamily) -> bool:
     return all(d % 4 == 0 for d in dims) and math.prod(dims) <= family.max_chips_per_slice
 
 
-def is_valid_topology(fam: TpuFamily, topology: str) -> bool:
-    """True when GKE offers this topology for the family (dimensions, sizes, order, largest slice)."""
-    if not _TOPOLOGY_RE.match(topology):
-        return False
-    dims = tuple(int(d) for d in topology.split("x"))
-    if len(dims) != fam.dimensions:
-        return False
-    return topology in fam.topologies_2d if fam.dimensions == 2 else _valid_3d(dims, fam)
-
-
 def host_sizes_for(fam: TpuFamily, chips: int) -> tuple[int, ...]:
     """The chips-per-host values that can hold a slice of ``chips`` chips (sorted)."""
     return tuple(

@@ -266,3 +266,13 @@ def test_restricted_trainer_pods_meet_the_restricted_standard() -> None:
     }
     assert OperatorSettings(run_as_user=1000).render_settings().run_as_user == 1000
     assert OperatorSettings().render_settings().run_as_user is None
+
+
+def test_one_default_trainer_image_for_render_operator_and_chart() -> None:
+    """`tpuft render` prints what the operator creates: the same default image everywhere."""
+    from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, RenderSettings
+    from tpuft_operator.settings import OperatorSettings
+
+    values = yaml.safe_load((ROOT / "charts" / "tpuft" / "values.yaml").read_text())
+    assert values["trainerImage"] == DEFAULT_TRAINER_IMAGE
+    assert OperatorSettings().trainer_image == RenderSettings().trainer_image == DEFAULT_TRAINER_IMAGE

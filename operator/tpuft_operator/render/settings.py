@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/tpuft-trainer:0.1.0"
+# The one default (the operator's setting, the chart's trainerImage and `tpuft render`).
+DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
 
 
 @dataclass(frozen=True)
