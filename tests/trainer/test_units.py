@@ -263,16 +263,22 @@ def test_absent_channel_is_silent() -> None:
     assert not r.enabled and r._api is None
 
 
-def test_meter_excludes_compilation_from_rates() -> None:
+def test_meter_rates_ignore_compiling_saving_and_evaluating_steps() -> None:
     clock = [0.0]
-    meter = Meter(total_steps=10, tokens_per_step=100, clock=lambda: clock[0])
-    assert meter.update(1, 5.0).eta_seconds is None  # first step: compilation
+    meter = Meter(total_steps=1000, tokens_per_step=100, clock=lambda: clock[0])
+    assert meter.update(500, 5.0).eta_seconds is None  # the first step of a resumed run: nothing to time
     clock[0] = 60.0
-    meter.update(2, 4.0)
+    meter.update(501, 4.0)  # the second graph compiles: one step of 60 s
     clock[0] = 62.0
-    snap = meter.update(4, 3.0)
-    assert snap.tokens_per_second == pytest.approx(100 * 3 / 62)
-    clock[0] = 2.0
+    snap = meter.update(505, 3.0)  # then 0.5 s a step
+    assert snap.tokens_per_second == pytest.approx(200) and snap.eta_seconds == pytest.approx(495 * 0.5)
+    clock[0] = 102.0
+    meter.update(506, 3.0)  # a save
+    for step in range(510, 530, 4):
+        clock[0] += 2.0
+        snap = meter.update(step, 3.0)
+    assert snap.tokens_per_second == pytest.approx(200)  # a mean since the start would say ~70
+    assert meter.update(526, 3.0).tokens_per_second == pytest.approx(200)  # a repeated report changes nothing
     assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -73,26 +74,45 @@ def format_duration(seconds: float) -> str:
 
 
 class Meter:
-    """Step rate, tokens/s and ETA. The first step (XLA compilation) is excluded from the rates, or
-    the ETA of a long run would be dominated by a one-off minute of compiling."""
+    """Step rate, tokens/s and ETA from the median time per step over the last `WINDOW` reports
+    (each weighted by the steps it covers). A median, not a mean: the steps that compile (the first
+    two after every start or resume, the first evaluation), save or evaluate take seconds to minutes
+    where the others take milliseconds; a mean since the start put "ETA 1:26:22" on a resumed run
+    with a minute to go. The ETA leaves out the cost of the saves and evaluations still to come."""
+
+    WINDOW = 64
 
     def __init__(self, total_steps: int, tokens_per_step: int, clock: Callable[[], float] = time.monotonic):
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self._clock = clock
-        self._start_step: int | None = None
-        self._start_time = 0.0
+        self._last: tuple[int, float] | None = None
+        # (steps covered, seconds per step) of the last reports.
+        self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
 
     def update(self, step: int, loss: float | None, eval_loss: float | None = None) -> Snapshot:
         now = self._clock()
+        if self._last is not None and step > self._last[0] and now > self._last[1]:
+            steps = step - self._last[0]
+            self._samples.append((steps, (now - self._last[1]) / steps))
+        if self._last is None or step > self._last[0]:
+            self._last = (step, now)
         tokens_per_second = eta = None
-        if self._start_step is None:
-            self._start_step, self._start_time = step, now
-        elif step > self._start_step and now > self._start_time:
-            steps_per_second = (step - self._start_step) / (now - self._start_time)
-            tokens_per_second = steps_per_second * self.tokens_per_step
-            eta = max(0, self.total_steps - step) / steps_per_second
+        if self._samples:
+            seconds_per_step = _weighted_median(self._samples)
+            tokens_per_second = self.tokens_per_step / seconds_per_step
+            eta = max(0, self.total_steps - step) * seconds_per_step
         return Snapshot(step, self.total_steps, loss, tokens_per_second, eta, eval_loss)
+
+
+def _weighted_median(samples: Iterable[tuple[int, float]]) -> float:
+    ordered = sorted(samples, key=lambda s: s[1])
+    half, seen = sum(w for w, _ in ordered) / 2, 0
+    for weight, value in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return ordered[-1][1]
 
 
 class Sink(Protocol):
