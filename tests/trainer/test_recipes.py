@@ -35,17 +35,28 @@ EVERYTHING = {
 }
 
 
-def everything_on() -> tuple[Proc, Path]:
+def everything_config() -> tuple[Path, Path]:
     root = Path(tempfile.mkdtemp(prefix="tpuft-recipe-"))
     chats = tiny.write_rows(root / "chats.jsonl", tiny.long_question_chats(96))
-    config, output = write_config(
+    return write_config(
         {
             "dataset": {"name": str(chats), "format": "chat", "packing": True, "eval_fraction": 0.25},
             "training": EVERYTHING,
             "world": {"chips_per_host": 4, "peak_flops_per_chip": 1e12},
         }
     )
+
+
+def everything_on() -> tuple[Proc, Path]:
+    config, output = everything_config()
     return run_train(config), output
+
+
+def everything_on_stopped_and_resumed() -> tuple[Proc, Proc, Path]:
+    """The same run, SIGTERMed after step 5 (between the evaluation at 3 and the one at 6), resumed."""
+    config, output = everything_config()
+    stopped = run_train(config, TPUFT_FAULT_SIGTERM_AT_STEP="5")
+    return stopped, run_train(config, TPUFT_RESTART_ATTEMPT="1"), output
 
 
 def bad(overrides: dict[str, Any]) -> Proc:
@@ -70,6 +81,7 @@ def too_few_eval_rows() -> Proc:
 
 SPMD_JOBS = {
     "recipe:train": everything_on,
+    "recipe:train:stopped": everything_on_stopped_and_resumed,
     "recipe:packing@4": functools.partial(run_case, "packing", 4, "recipe_cases.py"),
     "recipe:knobs@4": functools.partial(run_case, "knobs", 4, "recipe_cases.py"),
     "recipe:bad:gpt2-packing": gpt2_packing,
@@ -174,6 +186,23 @@ def test_everything_on_trains_evaluates_and_keeps_one_graph(pool: Pool) -> None:
     assert compiles[6] == compiles[7] == compiles[8], compiles
     assert after_eval[6] == compiles[6], (after_eval, compiles)
     assert after_eval[8] == after_save[8], (after_eval, after_save)  # the final evaluation reuses its graph
+
+
+def test_a_stopped_packed_evaluated_run_resumes_with_the_same_losses(pool: Pool) -> None:
+    """Resume with packing, assistant-only loss, evaluation and accumulation on: the packed rows, the
+    held-out split and the schedule come back as they were, so the steps after the stop and the
+    evaluations at 6 and 8 equal the uninterrupted run's."""
+    stopped, resumed, output = pool.get("recipe:train:stopped")
+    reference = metrics(pool.get("recipe:train")[1])
+    assert stopped.returncode == ExitCode.STOPPED_AFTER_CHECKPOINT, stopped.tail()
+    assert resumed.returncode == 0, resumed.tail()
+    record = metrics(output)
+    assert record["resumed_from"] == "checkpoint-5"
+    got, want = by_step(record["losses"]), by_step(reference["losses"])
+    assert sorted(got) == [6, 7, 8]
+    assert got == pytest.approx({step: want[step] for step in (6, 7, 8)}, rel=1e-5)
+    evals, want_evals = by_step(record["eval_losses"]), by_step(reference["eval_losses"])
+    assert evals == pytest.approx({step: want_evals[step] for step in (6, 8)}, rel=1e-5), evals
 
 
 def test_tensorboard_events_hold_the_losses(pool: Pool) -> None:
