@@ -216,18 +216,24 @@ class Api:
             raise _wrap(error, f"asking whether this identity may {verb} {resource}") from error
         return bool((answer.get("status") or {}).get("allowed"))
 
-    def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
-        """The FailedCreate Events of the Jobs whose names start with ``job_prefix``: the Job
-        controller's only record of a pod the apiserver refused (PodSecurity, ResourceQuota, a
-        webhook); the Job's status says nothing. One list, filtered by the apiserver."""
-        path = EVENT.path(namespace) + "?fieldSelector=involvedObject.kind%3DJob%2Creason%3DFailedCreate"
-        try:
-            items = self._call("GET", path).get("items") or []
-        except ApiException as error:
-            raise _wrap(error, f"listing the FailedCreate events of namespace {namespace}") from error
-        return [
-            e for e in items if str((e.get("involvedObject") or {}).get("name", "")).startswith(job_prefix)
-        ]
+    def pod_creation_failures(self, namespace: str, jobset: str, job_prefix: str) -> list[dict[str, Any]]:
+        """Why the apiserver refused what a JobSet needs, where nothing's status says it: the
+        FailedCreate Events of the Jobs whose names start with ``job_prefix`` (the Job controller's
+        only record of a refused pod: PodSecurity, ResourceQuota, a webhook) and the JobSet
+        controller's JobCreationFailed Events of ``jobset`` (a refused Job: a quota on Jobs, a
+        webhook). Two lists, each filtered by the apiserver."""
+        found = []
+        for kind, reason, wanted in (
+            ("Job", "FailedCreate", lambda name: name.startswith(job_prefix)),
+            ("JobSet", "JobCreationFailed", lambda name: name == jobset),
+        ):
+            path = EVENT.path(namespace) + f"?fieldSelector=involvedObject.kind%3D{kind}%2Creason%3D{reason}"
+            try:
+                items = self._call("GET", path).get("items") or []
+            except ApiException as error:
+                raise _wrap(error, f"listing the {reason} events of namespace {namespace}") from error
+            found += [e for e in items if wanted(str((e.get("involvedObject") or {}).get("name", "")))]
+        return found
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         """Merge-patches annotations of a pod (the operator's checkpoint requests, maintenance.py).

@@ -445,10 +445,11 @@ class Reconciler:
         """The apiserver's words for the run's pods it refused, while some are missing, else None.
 
         The Job controller records a refused pod only as a FailedCreate Event on its Job (its status
-        has no condition for it, pkg/controller/job), and retries with a backoff. Nothing the
+        has no condition for it, pkg/controller/job), and retries with a backoff; the JobSet
+        controller records a refused Job only as a JobCreationFailed Event on the JobSet. Nothing the
         operator watches changes then, so while pods are missing it looks, once the JobSet is
         REFUSAL_CHECK_AFTER seconds old and then at doubling intervals, and asks for the reconcile
-        that does (one Event list of the namespace, filtered by the apiserver, per look)."""
+        that does (two Event lists of the namespace, filtered by the apiserver, per look)."""
         missing = (
             jobset is not None
             and shape is not None
@@ -469,7 +470,9 @@ class Reconciler:
             return found
         prefix = f"{jobset['metadata']['name']}-{naming.REPLICATED_JOB}-"
         try:
-            events = self.api.pod_creation_failures(str(finetune["metadata"]["namespace"]), prefix)
+            events = self.api.pod_creation_failures(
+                str(finetune["metadata"]["namespace"]), str(jobset["metadata"]["name"]), prefix
+            )
         except ApiError as error:
             log.warning("cannot tell why the run's pods are missing: %s", error)
             events = []
@@ -484,7 +487,7 @@ class Reconciler:
             if when is None or when.timestamp() >= since - 1:  # not of an earlier JobSet of this name
                 recent.append(event)
         recent.sort(key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
-        found = str(recent[-1].get("message") or "") if recent else None
+        found = _refusal_message(recent[-1]) if recent else None
         wait = min(REFUSAL_CHECK_MAX, max(REFUSAL_CHECK_AFTER, wait * 2))
         self._refusals[key] = (now + wait, wait, found)
         self._defer(key, wait)
@@ -614,3 +617,12 @@ def _became_unschedulable(current: Obj, derived: Obj) -> bool:
         _condition_status(derived, "Scheduled") == "False"
         and _condition_status(current, "Scheduled") != "False"
     )
+
+
+def _refusal_message(event: Obj) -> str:
+    what = (
+        "the JobSet controller cannot create the run's Jobs"
+        if (event.get("involvedObject") or {}).get("kind") == "JobSet"
+        else "the Job controller cannot create the run's pods"
+    )
+    return f"{what}: {event.get('message') or ''}"

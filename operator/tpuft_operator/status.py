@@ -48,8 +48,9 @@ class Observed:
     creation_error: str | None = None
     # An object this run needs exists under another run's control (k8s.NameTaken): the run fails.
     name_taken: str | None = None
-    # The apiserver refused pods of the run's Jobs (the Job controller's FailedCreate event, in the
-    # apiserver's words): PodSecurity, ResourceQuota, a webhook. None while every pod was created.
+    # The apiserver refused pods of the run's Jobs (the Job controller's FailedCreate event) or the
+    # Jobs themselves (the JobSet controller's JobCreationFailed): PodSecurity, ResourceQuota, a
+    # webhook. Who could not create what, then the apiserver's words; None while nothing is refused.
     pods_refused: str | None = None
     chips: int | None = None
     hosts: int | None = None
@@ -265,7 +266,7 @@ def _derive_phase(obs: Observed) -> _Derived:
             },
         )
     if obs.pods_refused is not None:
-        message = f"the Job controller cannot create the run's pods: {obs.pods_refused}"
+        message = obs.pods_refused
         return _Derived(
             "Pending",
             "FailedCreate",

@@ -173,7 +173,8 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
     operator = admin.configure(DEFAULTS)
     assert operator is not None
     namespace, restricted, quota = unique("policy"), unique("pss"), unique("quota")
-    for name in (namespace, restricted, quota):
+    no_jobs = unique("jobs")
+    for name in (namespace, restricted, quota, no_jobs):
         local_cluster.kubectl("create", "namespace", name)
     local_cluster.kubectl("label", "namespace", restricted, "pod-security.kubernetes.io/enforce=restricted")
     local_cluster.apply(
@@ -183,7 +184,13 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
                 "kind": "ResourceQuota",
                 "metadata": {"name": "no-tpus", "namespace": quota},
                 "spec": {"hard": {"requests.google.com/tpu": "0"}},
-            }
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "ResourceQuota",
+                "metadata": {"name": "no-jobs", "namespace": no_jobs},
+                "spec": {"hard": {"count/jobs.batch": "0"}},
+            },
         ]
     )
     objects = [attack(c, namespace) for c in ATTACKS] + [finetune("in-operator-ns", OPERATOR_NAMESPACE)]
@@ -198,13 +205,17 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
     assert not get_json(local_cluster, "tpuft", "-n", namespace)["items"]
 
     # Pods the apiserver refuses: the run says so, in the apiserver's words, within seconds.
-    local_cluster.apply([finetune("pss", restricted), finetune("quota", quota)])
+    local_cluster.apply([finetune("pss", restricted), finetune("quota", quota), finetune("jobs", no_jobs)])
     seconds, pss = refused_within(local_cluster, "pss", restricted)
     assert 'violates PodSecurity "restricted:latest"' in pss["message"], pss
     assert "runAsNonRoot" in pss["message"] and pss["reason"] == "FailedCreate"
     assert seconds < 15, f"took {seconds:.1f}s"
     seconds, over = refused_within(local_cluster, "quota", quota)
     assert "exceeded quota: no-tpus" in over["message"] and seconds < 15, over
+    # Jobs the apiserver refuses (the JobSet controller's JobCreationFailed): the same, in its words.
+    seconds, jobs = refused_within(local_cluster, "jobs", no_jobs)
+    assert jobs["message"].startswith("the JobSet controller cannot create the run's Jobs: "), jobs
+    assert "exceeded quota: no-jobs" in jobs["message"] and seconds < 15, jobs
     assert status(local_cluster, "pss", restricted)["phase"] == "Pending"
     events = get_json(
         local_cluster,

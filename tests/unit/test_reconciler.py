@@ -59,7 +59,7 @@ class RecordingApi:
         body["metadata"]["resourceVersion"] = str(self.resource_version)
         return body
 
-    def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+    def pod_creation_failures(self, namespace: str, jobset: str, job_prefix: str) -> list[dict[str, Any]]:
         self.calls.append(("events", job_prefix))
         return []
 
@@ -430,7 +430,7 @@ def test_pods_the_apiserver_refuses_surface_in_its_words_and_clear_once_created(
     )
 
     class RefusingApi(RecordingApi):
-        def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+        def pod_creation_failures(self, namespace: str, jobset: str, job_prefix: str) -> list[dict[str, Any]]:
             self.calls.append(("events", job_prefix))
             return [{"message": refusal, "lastTimestamp": "2099-01-01T00:00:00Z"}]
 
@@ -458,7 +458,7 @@ def test_jobsets_own_wait_for_a_scheduled_leader_is_not_a_refusal() -> None:
     scheduled: that FailedCreate is the design, and the leader's Unschedulable condition says why."""
 
     class FollowerWaitApi(RecordingApi):
-        def pod_creation_failures(self, namespace: str, job_prefix: str) -> list[dict[str, Any]]:
+        def pod_creation_failures(self, namespace: str, jobset: str, job_prefix: str) -> list[dict[str, Any]]:
             self.calls.append(("events", job_prefix))
             message = (
                 'Error creating: admission webhook "vpod.kb.io" denied the request: follower pod node '
