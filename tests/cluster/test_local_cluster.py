@@ -74,12 +74,15 @@ def pods_of(cluster: LocalCluster, namespace: str, jobset: str) -> list[dict[str
 
 def test_components_are_healthy(local_cluster: LocalCluster) -> None:
     statuses = local_cluster.status()
+    # Kueue only once a test asked for it (tests/e2e/test_kueue.py), or in a cluster kept with it.
+    kueue = ["kueue-controller"] if local_cluster.kueue else []
     assert [s.name for s in statuses] == [
         "etcd",
         "kube-apiserver",
         "kube-controller-manager",
         "kube-scheduler",
         "jobset-controller",
+        *kueue,
         "kwok",
     ]
     assert all(s.healthy for s in statuses), statuses
