@@ -257,10 +257,11 @@ def _helm_ldflags() -> str:
     return " ".join(["-s", "-w", *flags])
 
 
-def ensure_built(cache: Path, log: Log = print) -> Binaries:
-    """Builds whatever is missing for the pinned versions and returns the binaries."""
+def ensure_built(cache: Path, log: Log = print, *, kueue: bool = True) -> Binaries:
+    """Builds whatever is missing for the pinned versions and returns the binaries (Kueue's only
+    with ``kueue``: a cluster without it need not wait for its build)."""
     bins = binaries(cache)
-    missing = bins.missing()
+    missing = [name for name in bins.missing() if kueue or name != "kueue"]
     if not missing:
         return bins
     check_go()
@@ -291,7 +292,7 @@ def ensure_built(cache: Path, log: Log = print) -> Binaries:
             log_file=logs / f"build-{name}-{version}.log",
             ldflags=ldflags,
         )
-    still_missing = bins.missing()
+    still_missing = [name for name in bins.missing() if kueue or name != "kueue"]
     if still_missing:
         raise BuildError(f"the build finished but these binaries are missing: {', '.join(still_missing)}")
     return bins

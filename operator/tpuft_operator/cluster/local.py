@@ -241,7 +241,7 @@ class LocalCluster:
             raise ClusterError(
                 f"cluster {self.name!r} runs Kueue; `tpuft cluster down` it to start one without Kueue"
             )
-        build.ensure_built(self.cache, self.log)
+        build.ensure_built(self.cache, self.log, kueue=bool(kueue) or self.kueue)
         ports = self._ensure_state(kueue)
         layout = self.layout
         pki.create(layout.pki.directory)
