@@ -264,6 +264,16 @@ def test_cli_status_and_env(local_cluster: LocalCluster) -> None:
         [*tpuft, "env", "--name", local_cluster.name], capture_output=True, text=True, check=True
     )
     assert f"export KUBECONFIG={local_cluster.kubeconfig}" in env.stdout
+    logs = subprocess.run(
+        [*tpuft, "logs", "--name", local_cluster.name, "kube-apiserver", "--lines", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert logs.returncode == 0 and len(logs.stdout.splitlines()) == 3, logs.stderr
+    unknown = subprocess.run(
+        [*tpuft, "logs", "--name", local_cluster.name, "nope"], capture_output=True, text=True
+    )
+    assert unknown.returncode == 1 and "unknown component 'nope'" in unknown.stderr
     # The printed lines really work in a shell: kubectl from PATH reaches this cluster.
     shell = subprocess.run(
         [

@@ -119,6 +119,27 @@ def status(name: str) -> None:
 
 @cluster.command()
 @name_option
+@click.argument("component", required=False)
+@click.option("--lines", default=50, show_default=True, help="How many of the last lines to print.")
+def logs(name: str, component: str | None, lines: int) -> None:
+    """Print the last lines of a component's log (e.g. kueue-controller), or list the log files."""
+
+    def go() -> None:
+        c = _cluster(name)
+        if component is None:
+            for path in sorted(c.layout.logs.glob("*.log")):
+                click.echo(path)
+            return
+        path = c.log_path(component)  # an unknown name: an error that lists the components
+        if not path.exists():
+            raise ClusterError(f"{component} has no log yet ({path}): has it been started?")
+        click.echo("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+
+    _run("cluster logs", go)
+
+
+@cluster.command()
+@name_option
 def env(name: str) -> None:
     """Print shell lines for `eval "$(tpuft cluster env)"`: KUBECONFIG, and kubectl/helm on PATH."""
     _run("cluster env", lambda: click.echo(_cluster(name).env()))

@@ -203,6 +203,10 @@ class LocalCluster:
             f"last lines of {log_path}:\n{_tail(log_path)}"
         )
 
+    def log_path(self, name: str) -> Path:
+        """Where component ``name`` logs (ClusterError for a component this cluster does not run)."""
+        return self.layout.logs / f"{self._component(name).name}.log"
+
     def start_component(self, name: str, timeout: float = 120) -> None:
         component = self._component(name)
         if not self._alive(component):
