@@ -2,6 +2,9 @@
 integration, the real JobSet controller, the scheduler and kwok TPU node pools; the operator as the
 chart's ServiceAccount, reading Kueue's Workloads.
 
+The preemption test trains for real on this host (the local executor, as in test_stops.py), so the
+evicted run's resume from its SIGTERM checkpoint is checked step by step.
+
 Each test makes its own ResourceFlavor (by GKE's TPU labels), ClusterQueue with a google.com/tpu
 quota, and LocalQueue, as docs/install-gke.md shows them. The quota, not the nodes, is what is
 short: every test's node pool could run the pods, and Kueue alone keeps them waiting.
@@ -15,18 +18,24 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
+from tests.e2e.test_progress import tiny_run
+from tests.e2e.test_stops import Host, complete_checkpoints, pod_logs, step_of
 from tests.support import condition, finetune, get_json, wait_for
 from tpuft_operator import topology
 from tpuft_operator.cluster import kwok
+from tpuft_operator.cluster.executor import LocalExecutor
 from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.demo import build_assets
+from tpuft_operator.render.jobset import KUEUE_PRIORITY_CLASS_LABEL as PRIORITY_LABEL
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
 
 V5P = topology.resolve("v5p", "2x2x2", slices=1)  # 2 hosts of 4 chips: 8 google.com/tpu a slice
 KUEUE = "kueue.x-k8s.io/v1beta2"
@@ -51,8 +60,10 @@ class Queues:
         self.cluster, self.namespace = cluster, namespace
         self.made: list[tuple[str, str]] = []
 
-    def make(self, chips: int, *, preemption: bool = False, name: str = "tpu") -> str:
-        flavor, cluster_queue = unique("v5p-flavor"), unique("cq")
+    def make(
+        self, chips: int, *, preemption: bool = False, name: str = "tpu", shape: topology.SliceShape = V5P
+    ) -> str:
+        flavor, cluster_queue = unique(f"{shape.family.name}-flavor"), unique("cq")
         spec: dict[str, Any] = {
             "namespaceSelector": {},
             "resourceGroups": [
@@ -77,8 +88,8 @@ class Queues:
                     "metadata": {"name": flavor},
                     "spec": {
                         "nodeLabels": {
-                            topology.ACCELERATOR_LABEL: V5P.family.accelerator,
-                            topology.TOPOLOGY_LABEL: V5P.topology,
+                            topology.ACCELERATOR_LABEL: shape.family.accelerator,
+                            topology.TOPOLOGY_LABEL: shape.topology,
                         }
                     },
                 },
@@ -232,42 +243,79 @@ def test_a_run_naming_a_missing_localqueue_says_so(
     assert not run_pods(kueue, namespace, "lost")
 
 
-def test_a_high_priority_run_preempts_a_low_priority_one_which_queues_again_and_completes(
-    kueue: LocalCluster, operator: OperatorProcess, namespace: str, queues: Queues, v5p_pools: list[str]
+@pytest.fixture
+def cpu_host(kueue: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
+    """This machine as a v5e 2x2 host that trains for real (as in test_stops.py)."""
+    root = tmp_path / "work"
+    build_assets(root)
+    kueue.add_nodepool("v5e", "2x2", prefix=unique("kcpu"))
+    executor = LocalExecutor(kueue, namespace, tmp_path / "pods")
+    executor.start()
+    try:
+        yield Host(root, root / "output", tmp_path / "pods", executor)
+    finally:
+        executor.stop()
+
+
+def test_a_preempted_training_run_queues_again_and_resumes_from_its_checkpoint(
+    kueue: LocalCluster, operator: OperatorProcess, namespace: str, queues: Queues, cpu_host: Host
 ) -> None:
-    queues.make(V5P.chips, preemption=True)
+    """A high-priority run preempts a low-priority one that trains for real on this host: Kueue
+    evicts it, its trainer saves on SIGTERM, it is Queued again saying why, and once the other is
+    done Kueue admits it again and it continues from the saved step to the end."""
+    v5e = topology.resolve("v5e", "2x2", slices=1)
+    queues.make(v5e.chips, preemption=True, shape=v5e)
     low, high = queues.priority_class(100), queues.priority_class(1000)
-
-    def run(name: str, priority: str, hold: str) -> dict[str, Any]:
-        body = finetune(name, namespace, queueName="tpu", pod_annotations=kwok.hold_running(hold))
-        body["metadata"]["labels"] = {"kueue.x-k8s.io/priority-class": priority}
-        return body
-
-    kueue.apply([run("low", low, "15s")])
-    wait_phase(kueue, namespace, "low", "Running")
-    assert (
-        get_json(kueue, "jobset", "low", "-n", namespace)["metadata"]["labels"][
-            "kueue.x-k8s.io/priority-class"
-        ]
-        == low
+    output = cpu_host.output
+    training = tiny_run("low", namespace, cpu_host.root, steps=60)  # no saveSteps
+    training["spec"]["queueName"] = "tpu"
+    training["metadata"]["labels"] = {PRIORITY_LABEL: low}
+    kueue.apply([training])
+    wait_for(
+        lambda: step_of(kueue, "low", namespace) >= 15,
+        timeout=300,
+        what="training to pass step 15",
+        interval=0.5,
     )
-    kueue.apply([run("high", high, "5s")])
+    job = get_json(kueue, "jobset", "low", "-n", namespace)
+    assert job["metadata"]["labels"][PRIORITY_LABEL] == low
 
-    # Kueue evicts the low-priority run to admit the other: it is Queued again, saying why.
+    urgent = finetune(
+        "urgent",
+        namespace,
+        queueName="tpu",
+        tpu={"type": "v5e", "topology": "2x2"},
+        pod_annotations=kwok.hold_running("3s"),
+    )
+    urgent["metadata"]["labels"] = {PRIORITY_LABEL: high}
+    kueue.apply([urgent])
     evicted = wait_for(
         lambda: (
             (s := status(kueue, namespace, "low")).get("phase") == "Queued"
-            and "evicted by Kueue" in s["message"]
+            and s["message"].startswith("evicted by Kueue")
             and s
         ),
-        timeout=60,
+        timeout=120,
         what="the low-priority run to be evicted back to the queue",
     )
     assert "Preempted" in evicted["message"], evicted
+    assert (condition({"status": evicted}, "Queued") or {}).get("status") == "True"
     assert "Evicted" in reasons(kueue, namespace, "low")
-    wait_phase(kueue, namespace, "high", "Succeeded")
-    # Readmitted once the quota is free, and run to the end.
-    done = wait_phase(kueue, namespace, "low", "Succeeded", timeout=120)
+    wait_for(
+        lambda: bool(complete_checkpoints(output)) and not cpu_host.executor.logs(),
+        timeout=120,
+        what="the evicted trainer's checkpoint",
+        interval=0.5,
+    )
+    (saved,) = complete_checkpoints(output)
+    assert f"stopped at step {saved} after saving checkpoint-{saved} (SIGTERM)" in pod_logs(cpu_host.pods)
+
+    wait_phase(kueue, namespace, "urgent", "Succeeded")
+    done = wait_phase(kueue, namespace, "low", "Succeeded", timeout=420)
+    record = json.loads((output / "tpuft-metrics.json").read_text())
+    assert record["resumed_from"] == f"checkpoint-{saved}"
+    assert min(int(step) for step in record["losses"]) == saved + 1  # nothing redone, nothing skipped
+    assert done["progress"]["step"] == 60
     assert reasons(kueue, namespace, "low").count("Admitted") >= 2, reasons(kueue, namespace, "low")
     assert condition({"status": done}, "Queued")["reason"] == "Admitted"  # type: ignore[index]
 
