@@ -151,6 +151,15 @@ def queue_state(workload: Obj | None, queue_name: str) -> QueueState:
             evicted=evicted,
             cluster_queue=cluster_queue,
         )
+    if deactivated_by_kueue(workload):
+        name = (workload.get("metadata") or {}).get("name")
+        return QueueState(
+            True,
+            "DeactivatedByKueue",
+            f"Kueue deactivated its Workload {name} ({evicted}): it admits it no more; set the Workload's "
+            "spec.active to true to queue it again, or delete the TPUFineTune",
+            evicted=evicted,
+        )
     if not (workload.get("spec") or {}).get("active", True):
         return QueueState(
             True,
@@ -175,6 +184,17 @@ def queue_state(workload: Obj | None, queue_name: str) -> QueueState:
         reason,
         f"{again}not admitted by Kueue from LocalQueue {queue_name}: {kueue_message}",
         evicted=evicted,
+    )
+
+
+def deactivated_by_kueue(workload: Obj) -> bool:
+    """Kueue itself set spec.active=false (requeuing limit, maximum execution time): its Evicted
+    reason is "DeactivatedDueTo<cause>", where a deactivation by someone else is "Deactivated"."""
+    evicted = _condition(workload, "Evicted")
+    return bool(
+        evicted
+        and evicted.get("status") == "True"
+        and str(evicted.get("reason", "")).startswith("DeactivatedDueTo")
     )
 
 

@@ -80,7 +80,14 @@ def decide(finetune: Obj, valid: bool, jobset: Obj | None, workload: Obj | None 
     # one we suspended), and admits nothing of an inactive Workload (an admitted one it evicts).
     active = None
     held = workload is not None and not bool((workload.get("spec") or {}).get("active", True))
-    if spec.get("queueName") and workload is not None and held != want_suspended:
+    # Never undo Kueue's own deactivation (a requeuing limit): the Queued condition says so.
+    kueues = workload is not None and queueing.deactivated_by_kueue(workload)
+    if (
+        spec.get("queueName")
+        and workload is not None
+        and held != want_suspended
+        and (want_suspended or not kueues)
+    ):
         active = not want_suspended
     if want_suspended and not is_suspended:
         return Decision(set_suspend=True, set_workload_active=active)

@@ -101,6 +101,13 @@ QUOTA = (
             "dws-prov (Pending: Waiting for capacity)",
         ),
         (workload(active=False), "Deactivated", "spec.active=false"),
+        (
+            workload(
+                cond("Evicted", "True", "DeactivatedDueToRequeuingLimitExceeded", "limit"), active=False
+            ),
+            "DeactivatedByKueue",
+            "set the Workload's spec.active to true",
+        ),
     ],
 )
 def test_why_a_queued_run_waits(wl: dict[str, Any] | None, reason: str, says: str) -> None:
@@ -234,6 +241,15 @@ def test_a_run_without_a_queue_has_no_queued_condition() -> None:
         ),
         ({"queueName": "q"}, jobset(suspend=True), workload(), Decision()),
         ({"queueName": "q", "suspend": True}, jobset(suspend=True), None, Decision()),  # no Workload yet
+        # Kueue deactivated it itself (its requeuing limit): not ours to undo.
+        (
+            {"queueName": "q"},
+            jobset(suspend=True),
+            workload(
+                cond("Evicted", "True", "DeactivatedDueToRequeuingLimitExceeded", "exceeded"), active=False
+            ),
+            Decision(),
+        ),
     ],
 )
 def test_decide_holds_a_suspended_queued_run_through_its_workload(
