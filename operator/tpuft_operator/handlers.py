@@ -5,7 +5,9 @@ carry the run's label; a fourth, of the TPU nodes (read-only, `--watch-nodes`), 
 node whose maintenance signals change (maintenance.py). In-memory indexes (kopf.index) hold the latest JobSet and pods of each run,
 so a reconcile reads no lists from the API. Each watch event marks its run in a work queue
 (workqueue.py: each run once, JobSet creation first) and returns; `--workers` threads reconcile the
-marked runs from the indexes. No handler stores progress on the object and no finalizer is added:
+marked runs from the indexes. A fifth watch, of Kueue's Workloads, tells a queued run why it waits
+(queueing.py); without Kueue installed it has nothing to watch (kopf starts it if the CRD appears).
+No handler stores progress on the object and no finalizer is added:
 deleting a TPUFineTune is never blocked, even with the operator down.
 """
 
@@ -22,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 import kopf
 
-from tpuft_operator import maintenance, metrics
+from tpuft_operator import maintenance, metrics, queueing
 from tpuft_operator.k8s import ApiError, controller_uid
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
@@ -36,6 +38,7 @@ from tpuft_operator.workqueue import WorkQueue
 FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
 JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 PODS = ("", "v1", "pods")
+WORKLOADS = queueing.WORKLOADS
 NODES = ("", "v1", "nodes")
 OWNED = {FINETUNE_LABEL: kopf.PRESENT}
 TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
@@ -102,10 +105,15 @@ def _run(
     pod_index: kopf.Index[Key, Slim],
     node_index: kopf.Index[str, Slim] | None,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    workload_index: kopf.Index[Key, Slim] | None = None,
 ) -> None:
     key = (finetune["metadata"]["namespace"], label_value(finetune["metadata"]["name"]))
     reconciler: Reconciler = memo.reconciler
     pods = list(pod_index.get(key, []))
+    workload = None
+    if jobset is not None and workload_index is not None:
+        candidates = list(workload_index.get((key[0], jobset["metadata"]["name"])) or [])
+        workload = queueing.workload_of(candidates, jobset)
     try:
         reconciler.reconcile(
             finetune,
@@ -113,6 +121,7 @@ def _run(
             pods,
             event=_event_sink(finetune),
             nodes=_nodes_of(pods, node_index),
+            workload=workload,
             logger=logger,
         )
     except ApiError as error:
@@ -136,6 +145,9 @@ class Dispatch:
     queue: WorkQueue = field(default_factory=WorkQueue)
     indexes: tuple[kopf.Index[Key, Slim], ...] | None = None
     nodes: kopf.Index[str, Slim] | None = None  # with --watch-nodes
+    workloads: kopf.Index[Key, Slim] | None = None  # Kueue's, by (namespace, JobSet name)
+    # The run of each JobSet, (namespace, JobSet name) -> run name: a Workload names only its JobSet.
+    jobset_runs: dict[Key, str] = field(default_factory=dict)
     # The maintenance signals last seen per node: only a change marks the runs on it.
     node_signals: dict[str, maintenance.NodeSignals] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
@@ -154,6 +166,8 @@ class Dispatch:
             self.indexes = (indexes["finetunes"], indexes["jobsets"], indexes["pods"])
         if self.nodes is None and "nodes" in indexes:
             self.nodes = indexes["nodes"]
+        if self.workloads is None and "workloads" in indexes:
+            self.workloads = indexes["workloads"]
         if self.context is None:
             self.context = contextvars.copy_context()
         self.queue.add(key, urgent=urgent)
@@ -198,7 +212,8 @@ def reconcile_from_indexes(memo: kopf.Memo, key: Key) -> None:
     if finetune is None:
         return  # deleted meanwhile
     logger = kopf.LocalObjectLogger(body=cast(kopf.Body, finetune), settings=state.kopf_settings)
-    _run(memo, finetune, _jobset_of(jobset_index, index_key, finetune), pod_index, state.nodes, logger)
+    jobset = _jobset_of(jobset_index, index_key, finetune)
+    _run(memo, finetune, jobset, pod_index, state.nodes, logger, state.workloads)
 
 
 async def _resync_forever(memo: kopf.Memo, interval: float) -> None:
@@ -259,11 +274,14 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
 
     @kopf.on.event(*JOBSETS, labels=OWNED, registry=registry)
     async def jobset_event(
-        type: str, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any
+        type: str, namespace: str | None, name: str, labels: kopf.Labels, memo: kopf.Memo, **kw: Any
     ) -> None:
+        state: Dispatch = memo.dispatch
         for owner in _owners(kw["finetunes"], str(namespace), labels):
             key = (str(namespace), str(owner["metadata"]["name"]))
+            state.jobset_runs[(str(namespace), name)] = key[1]
             if type == "DELETED":
+                state.jobset_runs.pop((str(namespace), name), None)
                 memo.reconciler.jobset_deleted(key)
             memo.dispatch.mark(key, kw, urgent=type == "DELETED")  # a deleted JobSet is recreated
 
@@ -271,6 +289,22 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
     async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any) -> None:
         for owner in _owners(kw["finetunes"], str(namespace), labels):
             memo.dispatch.mark((str(namespace), str(owner["metadata"]["name"])), kw)
+
+    if operator_settings.watch_workloads:
+        # Kueue's Workloads (of JobSets): a queued run's status says why it waits, and its admission
+        # and eviction become Events. Indexed by the JobSet that owns each.
+        @kopf.index(*WORKLOADS, registry=registry, id="workloads")
+        async def workloads(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Key, Slim] | None:
+            owner = queueing.workload_owner(body)
+            return {(str(namespace), owner[0]): queueing.slim_workload(body)} if owner else None
+
+        @kopf.on.event(*WORKLOADS, registry=registry)
+        async def workload_event(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+            state: Dispatch = memo.dispatch
+            owner = queueing.workload_owner(body)
+            run = state.jobset_runs.get((str(namespace), owner[0])) if owner else None
+            if run is not None:
+                state.mark((str(namespace), run), kw)
 
     if operator_settings.watch_nodes:
 

@@ -85,6 +85,8 @@ class Resource:
 JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
 FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes")
 POD = Resource("", "v1", "pods")
+# Kueue's Workload of a queued run's JobSet: watched (handlers.py); only spec.active is ever patched.
+WORKLOAD = Resource("kueue.x-k8s.io", "v1beta2", "workloads")
 # Every kind the operator creates, and nothing else.
 KINDS = {
     "JobSet": JOBSET,
@@ -192,6 +194,15 @@ class Api:
                 error, f"{'suspending' if suspend else 'resuming'} JobSet {namespace}/{name}"
             ) from error
 
+    def patch_workload_active(self, namespace: str, name: str, active: bool) -> None:
+        """Kueue's own way to hold a queued job: a Workload with spec.active=false is never admitted
+        (an admitted one is evicted), and Kueue would unsuspend a JobSet whose Workload is admitted."""
+        try:
+            self._call("PATCH", WORKLOAD.path(namespace, name), {"spec": {"active": active}}, MERGE_PATCH)
+        except ApiException as error:
+            verb = "activating" if active else "deactivating"
+            raise _wrap(error, f"{verb} Kueue Workload {namespace}/{name}") from error
+
     def patch_finetune_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         """Merge-patches the operator's fields of the status; returns the updated object."""
         try:
@@ -201,14 +212,17 @@ class Api:
         except ApiException as error:
             raise _wrap(error, f"updating the status of TPUFineTune {namespace}/{name}") from error
 
-    def may(self, verb: str, resource: str, group: str = "") -> bool:
-        """Whether this identity may ``verb`` ``resource`` cluster-wide (a SelfSubjectAccessReview,
-        which every authenticated identity may create). An API that cannot answer raises: at
-        start-up that is a failed start, retried by the Deployment, not a silent guess."""
+    def may(self, verb: str, resource: str, group: str = "", namespace: str | None = None) -> bool:
+        """Whether this identity may ``verb`` ``resource`` cluster-wide, or in ``namespace`` (a
+        SelfSubjectAccessReview, which every authenticated identity may create). An API that cannot
+        answer raises: at start-up that is a failed start, retried by the Deployment, not a guess."""
+        attributes = {"verb": verb, "resource": resource, "group": group}
+        if namespace is not None:
+            attributes["namespace"] = namespace
         body = {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}},
+            "spec": {"resourceAttributes": attributes},
         }
         try:
             answer = self._call("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body)

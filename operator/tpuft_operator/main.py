@@ -115,6 +115,27 @@ def check_node_access(settings: OperatorSettings, api: Api) -> OperatorSettings:
     return settings
 
 
+def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSettings:
+    """As for nodes: a watch of Kueue's Workloads that RBAC denies would hold every handler behind
+    its index. Without the right, run without Kueue's reasons (a chart older than the operator)."""
+    if not settings.watch_workloads:
+        return settings
+    namespaces: list[str | None] = list(settings.namespaces) or [None]
+    allowed = all(
+        api.may(verb, "workloads", "kueue.x-k8s.io", namespace)
+        for verb in ("list", "watch")
+        for namespace in namespaces
+    )
+    if not allowed:
+        log.warning(
+            "this identity may not list and watch Kueue's workloads.kueue.x-k8s.io: queued runs will not "
+            "say why Kueue keeps them waiting (upgrade the chart's RBAC, or set --watch-workloads=false "
+            "to silence this)"
+        )
+        return dataclasses.replace(settings, watch_workloads=False)
+    return settings
+
+
 def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
     reconciler = Reconciler(
         api=api,
@@ -130,7 +151,7 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
     """Runs the operator until stopped (SIGTERM/SIGINT, or ``stop_flag`` in tests)."""
     logging.getLogger("kopf.objects").addFilter(QuietHandlerSuccess())
     api = Api(load_client(settings.kubeconfig, connections=settings.workers))  # one per worker thread
-    settings = check_node_access(settings, api)
+    settings = check_workload_access(check_node_access(settings, api), api)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.bind_address)
     registry = build_registry(settings)

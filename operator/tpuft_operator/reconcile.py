@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuft_operator import maintenance, metrics
+from tpuft_operator import maintenance, metrics, queueing
 from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse
@@ -59,10 +59,13 @@ class Decision:
     create: bool = False  # create (or adopt) the identity and the JobSet
     recreated: bool = False  # the JobSet existed before and someone deleted it
     set_suspend: bool | None = None  # merge-patch JobSet spec.suspend to this value
+    # merge-patch the Kueue Workload's spec.active to this value (a queued run's spec.suspend)
+    set_workload_active: bool | None = None
 
 
-def decide(finetune: Obj, valid: bool, jobset: Obj | None) -> Decision:
-    """``valid``: the spec renders (else nothing is created; the status says why)."""
+def decide(finetune: Obj, valid: bool, jobset: Obj | None, workload: Obj | None = None) -> Decision:
+    """``valid``: the spec renders (else nothing is created; the status says why). ``workload``:
+    Kueue's Workload of the JobSet, for a run with spec.queueName."""
     if not valid:
         return Decision()
     status = finetune.get("status") or {}
@@ -73,8 +76,23 @@ def decide(finetune: Obj, valid: bool, jobset: Obj | None) -> Decision:
     spec = finetune.get("spec") or {}
     want_suspended = bool(spec.get("suspend"))
     is_suspended = bool((jobset.get("spec") or {}).get("suspend"))
+    # A queued run is held through Kueue: Kueue unsuspends a JobSet whose Workload it admits (even
+    # one we suspended), and admits nothing of an inactive Workload (an admitted one it evicts).
+    active = None
+    held = workload is not None and not bool((workload.get("spec") or {}).get("active", True))
+    # Never undo Kueue's own deactivation (a requeuing limit): the Queued condition says so.
+    kueues = workload is not None and queueing.deactivated_by_kueue(workload)
+    if (
+        spec.get("queueName")
+        and workload is not None
+        and held != want_suspended
+        and (want_suspended or not kueues)
+    ):
+        active = not want_suspended
     if want_suspended and not is_suspended:
-        return Decision(set_suspend=True)
+        return Decision(set_suspend=True, set_workload_active=active)
+    if active is not None:
+        return Decision(set_workload_active=active)
     if not want_suspended and is_suspended and not spec.get("queueName"):
         # With a queue, Kueue decides when to unsuspend; we never race it.
         return Decision(set_suspend=False)
@@ -270,9 +288,11 @@ class Reconciler:
         *,
         event: EventSink,
         nodes: Mapping[str, Obj] | None = None,
+        workload: Obj | None = None,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
     ) -> None:
-        """``nodes``: the nodes the run's pods run on, by name (for maintenance signals)."""
+        """``nodes``: the nodes the run's pods run on, by name (for maintenance signals);
+        ``workload``: Kueue's Workload of the run's JobSet (queueing.py), if any."""
         log = logger or self.log
         meta = finetune["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -281,7 +301,7 @@ class Reconciler:
         started = time.perf_counter()
         with self._lock(key), metrics.RECONCILE_SECONDS.time():
             try:
-                self._reconcile(finetune, jobset, pods, nodes or {}, event, log)
+                self._reconcile(finetune, jobset, pods, nodes or {}, workload, event, log)
                 metrics.RECONCILES.labels(result="ok").inc()
             except Exception:
                 metrics.RECONCILES.labels(result="error").inc()
@@ -295,6 +315,7 @@ class Reconciler:
         jobset: Obj | None,
         pods: Sequence[Obj],
         nodes: Mapping[str, Obj],
+        workload: Obj | None,
         event: EventSink,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
     ) -> None:
@@ -321,7 +342,8 @@ class Reconciler:
         else:
             shape = result
 
-        decision = decide(finetune, spec_error is None, jobset)
+        workload = queueing.workload_of([workload], jobset) if workload is not None else None
+        decision = decide(finetune, spec_error is None, jobset, workload)
         if jobset is not None and not decision.create:
             self._adopt_unrecorded(key, finetune, jobset, log)
         creation_error: ApiError | None = None
@@ -377,6 +399,17 @@ class Reconciler:
                     log.warning("the spec renders to an object the apiserver refuses: %s", error)
                     spec_error = ("spec", f"the apiserver refused an object rendered from this spec: {error}")
                     rendered, shape = None, None
+        if decision.set_workload_active is not None and workload is not None:
+            # First: Kueue must stop admitting it before the JobSet is suspended (or it unsuspends it).
+            self.api.patch_workload_active(
+                namespace, workload["metadata"]["name"], decision.set_workload_active
+            )
+            held = "released" if decision.set_workload_active else "held"
+            log.info("%s Kueue Workload %s (spec.suspend)", held, workload["metadata"]["name"])
+            workload = {
+                **workload,
+                "spec": {**(workload.get("spec") or {}), "active": decision.set_workload_active},
+            }
         if decision.set_suspend is not None and jobset is not None:
             self.api.patch_jobset_suspend(namespace, jobset["metadata"]["name"], decision.set_suspend)
             verb = "suspended" if decision.set_suspend else "resumed"
@@ -400,6 +433,7 @@ class Reconciler:
                 creation_error=str(creation_error) if creation_error else None,
                 name_taken=name_taken,
                 pods_refused=refused,
+                workload=workload,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,
@@ -538,6 +572,7 @@ class Reconciler:
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
+        _post_queue_events(current, derived, event, log)
         for type_ in WARNING_CONDITIONS:
             now_true = _condition_status(derived, type_) == "True"
             if now_true and _condition_status(current, type_) != "True":
@@ -626,3 +661,32 @@ def _refusal_message(event: Obj) -> str:
         else "the Job controller cannot create the run's pods"
     )
     return f"{what}: {event.get('message') or ''}"
+
+
+def _condition_of(status: Obj, type_: str) -> Obj | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def _post_queue_events(
+    current: Obj,
+    derived: Mapping[str, Any],
+    event: EventSink,
+    log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+) -> None:
+    """Kueue's decisions as Events: Admitted when the `Queued` condition turns False (admitted),
+    Evicted (Warning, Kueue's reason and message: Preempted by a higher-priority workload, ...)
+    when an admitted run is sent back to the queue."""
+    before, after = _condition_of(current, "Queued"), _condition_of(derived, "Queued")
+    if after is None:
+        return
+    was = (before or {}).get("status")
+    if after["status"] == "False" and after.get("reason") == "Admitted" and was != "False":
+        log.info("admitted by Kueue: %s", after.get("message"))
+        event("Normal", "Admitted", str(after.get("message")))
+    elif after["status"] == "True" and _evicted(after) and not (was == "True" and _evicted(before or {})):
+        log.warning("evicted by Kueue: %s", after.get("message"))
+        event("Warning", "Evicted", str(after.get("message")))
+
+
+def _evicted(condition: Obj) -> bool:
+    return str(condition.get("message") or "").startswith(queueing.EVICTED_PREFIX)

@@ -81,6 +81,15 @@ class OperatorSettings:
         "MaintenanceScheduled condition.",
         "TPUFT_WATCH_NODES",
     )
+    watch_workloads: bool = _setting(
+        True,
+        "Watch Kueue's Workloads (workloads.kueue.x-k8s.io list/watch; patch of spec.active only, to hold "
+        "a queued run whose spec.suspend is set): a queued run's Queued condition then says why it waits "
+        "(no such LocalQueue, inactive ClusterQueue, not enough quota, admission checks) and Kueue's "
+        "admission and eviction become Events. Off, or without Kueue installed, queued runs only say "
+        "that they wait.",
+        "TPUFT_WATCH_WORKLOADS",
+    )
     goodput_interval_seconds: float = _setting(
         60.0,
         "Least report time between two refreshes of a running run's status.goodput (each is a status "

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
+from tpuft_operator.render.jobset import KUEUE_PRIORITY_CLASS_LABEL
 from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
 
 
@@ -25,10 +26,12 @@ def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:
         "deletionTimestamp",
         "creationTimestamp",
     )
+    # The one label the render reads: Kueue's WorkloadPriorityClass, copied to the JobSet.
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k == KUEUE_PRIORITY_CLASS_LABEL}
     return {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
-        "metadata": {k: meta[k] for k in keep if k in meta},
+        "metadata": {k: meta[k] for k in keep if k in meta} | ({"labels": labels} if labels else {}),
         "spec": body.get("spec") or {},
         "status": body.get("status") or {},
     }

@@ -4,7 +4,8 @@ The phase machine (one transition a line; "terminal" phases never change again):
 
     Failed     <- the spec is invalid (condition Valid=False names the field)
     Suspended  <- spec.suspend is true
-    Queued     <- spec.queueName is set and the JobSet is still suspended (Kueue has not admitted it)
+    Queued     <- spec.queueName is set and the JobSet is still suspended (Kueue has not admitted it,
+                  or evicted it): the `Queued` condition says why, from Kueue's Workload (queueing.py)
     Pending    <- no JobSet yet, or not every pod is running (Scheduled=False says why)
     Running    <- every pod of every slice is running
     Succeeded  <- the JobSet completed (terminal)
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from tpuft_operator import goodput, maintenance
+from tpuft_operator import goodput, maintenance, queueing
 from tpuft_trainer.exit_codes import ExitCode, is_user_error
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -52,6 +53,8 @@ class Observed:
     # Jobs themselves (the JobSet controller's JobCreationFailed): PodSecurity, ResourceQuota, a
     # webhook. Who could not create what, then the apiserver's words; None while nothing is refused.
     pods_refused: str | None = None
+    # Kueue's Workload of the JobSet (queueing.slim_workload), for a run with spec.queueName.
+    workload: Obj | None = None
     chips: int | None = None
     hosts: int | None = None
     accelerator: str | None = None
@@ -245,10 +248,26 @@ def _derive_phase(obs: Observed) -> _Derived:
         return _Derived(
             "Suspended", "Suspended", message, {**valid, "Suspended": ("True", "SpecSuspend", message)}
         )
-    if jobset_suspended and spec.get("queueName"):
-        message = f"waiting for Kueue to admit it from queue {spec['queueName']}"
-        return _Derived("Queued", "Queued", message, {**valid, "Suspended": ("True", "Queued", message)})
-    not_suspended = {"Suspended": ("False", "Resumed", "not suspended")}
+    queue = queueing.queue_state(obs.workload, str(spec["queueName"])) if spec.get("queueName") else None
+    if jobset_suspended and queue is not None:
+        message = queue.message
+        if not queue.waiting:  # admitted: Kueue unsuspends the JobSet next
+            message = f"{queue.message}; waiting for Kueue to unsuspend the JobSet"
+        return _Derived(
+            "Queued",
+            "Queued",
+            message,
+            {
+                **valid,
+                "Suspended": ("True", "Queued", message),
+                "Queued": ("True" if queue.waiting else "False", queue.reason, queue.message),
+            },
+        )
+    not_suspended: dict[str, tuple[str, str, str]] = {"Suspended": ("False", "Resumed", "not suspended")}
+    if queue is not None:
+        # Unsuspended with a queue: Kueue admitted it (its Workload may not have reached us yet).
+        admitted = queue if not queue.waiting else queueing.QueueState(False, "Admitted", "admitted by Kueue")
+        not_suspended["Queued"] = ("False", admitted.reason, admitted.message)
     expected = obs.hosts or 0
     pods = current_pods(obs.pods, jobset)
     running = [pod for pod in pods if _pod_running(pod)]

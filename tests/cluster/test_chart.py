@@ -38,6 +38,8 @@ NAMESPACED = {
     "roles.rbac.authorization.k8s.io": {"get", "create"},
     "rolebindings.rbac.authorization.k8s.io": {"get", "create"},
     "events": {"create", "list"},  # list: the Job controller's FailedCreate events (refused pods)
+    # Kueue's reasons for a queued run; patch: only spec.active (holding a suspended queued run).
+    "workloads.kueue.x-k8s.io": {"list", "watch", "patch"},
 }
 CLUSTER_ONLY = {
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},

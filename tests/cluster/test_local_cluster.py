@@ -74,12 +74,15 @@ def pods_of(cluster: LocalCluster, namespace: str, jobset: str) -> list[dict[str
 
 def test_components_are_healthy(local_cluster: LocalCluster) -> None:
     statuses = local_cluster.status()
+    # Kueue only once a test asked for it (tests/e2e/test_kueue.py), or in a cluster kept with it.
+    kueue = ["kueue-controller"] if local_cluster.kueue else []
     assert [s.name for s in statuses] == [
         "etcd",
         "kube-apiserver",
         "kube-controller-manager",
         "kube-scheduler",
         "jobset-controller",
+        *kueue,
         "kwok",
     ]
     assert all(s.healthy for s in statuses), statuses
@@ -261,6 +264,16 @@ def test_cli_status_and_env(local_cluster: LocalCluster) -> None:
         [*tpuft, "env", "--name", local_cluster.name], capture_output=True, text=True, check=True
     )
     assert f"export KUBECONFIG={local_cluster.kubeconfig}" in env.stdout
+    logs = subprocess.run(
+        [*tpuft, "logs", "--name", local_cluster.name, "kube-apiserver", "--lines", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert logs.returncode == 0 and len(logs.stdout.splitlines()) == 3, logs.stderr
+    unknown = subprocess.run(
+        [*tpuft, "logs", "--name", local_cluster.name, "nope"], capture_output=True, text=True
+    )
+    assert unknown.returncode == 1 and "unknown component 'nope'" in unknown.stderr
     # The printed lines really work in a shell: kubectl from PATH reaches this cluster.
     shell = subprocess.run(
         [

@@ -193,24 +193,6 @@ def test_suspend_and_resume(
     assert {"Suspended", "Resumed"} <= reasons
 
 
-def test_kueue_style_queued_until_admitted(
-    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
-) -> None:
-    local_cluster.apply([finetune("queued", namespace, queueName="tpu-queue")])
-    queued = wait_phase(local_cluster, namespace, "queued", "Queued")
-    assert "tpu-queue" in queued["status"]["message"]
-    live = get_json(local_cluster, "jobset", "queued", "-n", namespace)
-    assert live["spec"]["suspend"] is True
-    assert live["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tpu-queue"
-    time.sleep(3)  # the operator must not unsuspend a queued run itself
-    assert get_json(local_cluster, "jobset", "queued", "-n", namespace)["spec"]["suspend"] is True
-    # Kueue admits the workload by unsuspending the JobSet.
-    local_cluster.kubectl(
-        "patch", "jobset", "queued", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
-    )
-    wait_phase(local_cluster, namespace, "queued", "Succeeded", timeout=120)
-
-
 def test_delete_cascades_to_everything_the_run_created(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
 ) -> None:

@@ -12,8 +12,20 @@ from hypothesis import strategies as st
 
 from tpuft_operator import topology
 from tpuft_operator.cluster import build, kwok, versions
-from tpuft_operator.cluster.components import PORT_NAMES, Layout, jobset_configuration, specs
-from tpuft_operator.cluster.local import webhook_configurations
+from tpuft_operator.cluster.components import (
+    PORT_NAMES,
+    Layout,
+    jobset_configuration,
+    kueue_configuration,
+    specs,
+)
+from tpuft_operator.cluster.local import (
+    ClusterError,
+    ensure_kueue_metrics_cert,
+    kueue_crds,
+    kueue_webhook_configurations,
+    webhook_configurations,
+)
 
 
 def test_missing_go_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,13 +50,18 @@ def test_binaries_are_cached_by_version(tmp_path: Path) -> None:
     bins = build.binaries(tmp_path)
     assert versions.KUBERNETES in str(bins.kube_apiserver)
     assert versions.JOBSET in str(bins.jobset)
+    # Kueue is built against the cluster's own Kubernetes: both versions key its cache entry.
+    assert versions.KUEUE in str(bins.kueue) and versions.KUBERNETES in str(bins.kueue)
     assert set(bins.missing()) == set(bins.all())
 
 
 def test_every_component_listens_on_loopback_only(tmp_path: Path) -> None:
     ports = {name: 20000 + i for i, name in enumerate(PORT_NAMES)}
     layout = Layout(tmp_path)
-    for component in specs(layout, build.binaries(tmp_path), ports):
+    every = specs(layout, build.binaries(tmp_path), ports, kueue=True)
+    assert "kueue-controller" in [c.name for c in every]
+    assert "kueue-controller" not in [c.name for c in specs(layout, build.binaries(tmp_path), ports)]
+    for component in every:
         assert "127.0.0.1" in component.health_url
         for arg in component.argv:
             assert "0.0.0.0" not in arg, (component.name, arg)
@@ -53,6 +70,159 @@ def test_every_component_listens_on_loopback_only(tmp_path: Path) -> None:
         "port": ports["jobset-webhook"],
         "certDir": str(layout.pki.webhook_dir),
     }
+    kueue = kueue_configuration(layout, ports)
+    assert kueue["webhook"] == {
+        "host": "127.0.0.1",
+        "port": ports["kueue-webhook"],
+        "certDir": str(layout.pki.webhook_dir),
+    }
+    assert kueue["health"] == {"healthProbeBindAddress": f"127.0.0.1:{ports['kueue-health']}"}
+    assert kueue["metrics"] == {"bindAddress": "0"}
+    assert kueue["featureGates"] == {"VisibilityOnDemand": False}  # its apiserver binds every interface
+
+
+def _service(path: str) -> dict[str, object]:
+    return {"service": {"name": "webhook-service", "namespace": "system", "path": path}}
+
+
+def test_kueue_crds_get_their_conversion_webhook_on_loopback(tmp_path: Path) -> None:
+    crd_dir = tmp_path / "config" / "components" / "crd"
+    (crd_dir / "bases").mkdir(parents=True)
+    (crd_dir / "patches").mkdir()
+    for plural in ("workloads", "topologies"):
+        (crd_dir / "bases" / f"{plural}.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "kind": "CustomResourceDefinition",
+                    "metadata": {"name": f"{plural}.kueue.x-k8s.io"},
+                    "spec": {},
+                }
+            )
+        )
+    (crd_dir / "patches" / "webhook_in_workloads.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "metadata": {"name": "workloads.kueue.x-k8s.io"},
+                "spec": {
+                    "conversion": {
+                        "strategy": "Webhook",
+                        "webhook": {"clientConfig": _service("/convert"), "conversionReviewVersions": ["v1"]},
+                    }
+                },
+            }
+        )
+    )
+    (crd_dir / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": ["bases/workloads.yaml", "bases/topologies.yaml"],
+                "patches": [{"path": "patches/webhook_in_workloads.yaml"}],
+            }
+        )
+    )
+    ca = tmp_path / "ca.crt"
+    ca.write_text("CA")
+    workloads, topologies = kueue_crds(tmp_path, 9444, ca)
+    webhook = workloads["spec"]["conversion"]["webhook"]
+    assert webhook["clientConfig"] == {
+        "url": "https://127.0.0.1:9444/convert",
+        "caBundle": base64.b64encode(b"CA").decode(),
+    }
+    assert webhook["conversionReviewVersions"] == ["v1"]
+    assert "conversion" not in topologies["spec"]
+
+
+def test_kueue_webhooks_are_kueues_and_jobsets_only_with_its_namespace_selector(tmp_path: Path) -> None:
+    webhook_dir = tmp_path / "config" / "components" / "webhook"
+    webhook_dir.mkdir(parents=True)
+
+    def webhook(name: str, group: str, path: str) -> dict[str, object]:
+        return {
+            "name": name,
+            "clientConfig": _service(path),
+            "rules": [{"apiGroups": [group], "resources": ["x"]}],
+        }
+
+    (webhook_dir / "manifests.yaml").write_text(
+        yaml.safe_dump_all(
+            [
+                {
+                    "kind": "MutatingWebhookConfiguration",
+                    "metadata": {"name": "mutating-webhook-configuration"},
+                    "webhooks": [
+                        webhook("mjobset.kb.io", "jobset.x-k8s.io", "/mutate-jobset"),
+                        webhook("mpod.kb.io", "", "/mutate-pod"),
+                        webhook("mworkload.kb.io", "kueue.x-k8s.io", "/mutate-workload"),
+                    ],
+                },
+                {
+                    "kind": "ValidatingWebhookConfiguration",
+                    "metadata": {"name": "validating-webhook-configuration"},
+                    "webhooks": [
+                        webhook("vpod.kb.io", "", "/validate-pod"),
+                        webhook("vjobset.kb.io", "jobset.x-k8s.io", "/validate-jobset"),
+                    ],
+                },
+            ]
+        )
+    )
+    selector = {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]}
+        ]
+    }
+    patch = {
+        "kind": "ValidatingWebhookConfiguration",
+        "webhooks": [{"name": "vpod.kb.io", "namespaceSelector": selector}],
+    }
+    (webhook_dir / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "patches": [{"patch": yaml.safe_dump(patch)}],
+                "replacements": [
+                    {
+                        "source": {"fieldPath": "webhooks.[name=vpod.kb.io].namespaceSelector"},
+                        "targets": [
+                            {
+                                "fieldPaths": [
+                                    "webhooks.[name=mjobset.kb.io].namespaceSelector",
+                                    "webhooks.[name=mpod.kb.io].namespaceSelector",
+                                ]
+                            },
+                            {"fieldPaths": ["webhooks.[name=vjobset.kb.io].namespaceSelector"]},
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    ca = tmp_path / "ca.crt"
+    ca.write_text("CA")
+    mutating, validating = kueue_webhook_configurations(tmp_path, 9445, ca)
+    assert mutating["metadata"]["name"] == "kueue-mutating-webhook-configuration"
+    assert [w["name"] for w in mutating["webhooks"]] == ["mjobset.kb.io", "mworkload.kb.io"]
+    assert [w["name"] for w in validating["webhooks"]] == ["vjobset.kb.io"]  # no pod webhook
+    jobset_mutating = mutating["webhooks"][0]
+    assert jobset_mutating["namespaceSelector"] == selector
+    assert jobset_mutating["clientConfig"]["url"] == "https://127.0.0.1:9445/mutate-jobset"
+    assert "namespaceSelector" not in mutating["webhooks"][1]
+
+
+def test_kueue_metrics_certificate_is_put_once_and_a_failure_says_how(tmp_path: Path) -> None:
+    source = tmp_path / "webhook"
+    source.mkdir()
+    (source / "tls.crt").write_text("CERT")
+    (source / "tls.key").write_text("KEY")
+    target = tmp_path / "etc" / "kueue"
+    ensure_kueue_metrics_cert(source, target)
+    assert (target / "tls.crt").read_text() == "CERT"
+    (source / "tls.crt").write_text("OTHER")
+    ensure_kueue_metrics_cert(source, target)
+    assert (target / "tls.crt").read_text() == "CERT"  # another cluster's is kept
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ClusterError, match="create it once as root"):
+        ensure_kueue_metrics_cert(source, blocker / "certs")
 
 
 def test_jobset_webhooks_are_registered_by_url_with_the_module_patches(tmp_path: Path) -> None:

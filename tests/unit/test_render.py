@@ -225,6 +225,21 @@ def test_suspend_and_kueue(changes: dict[str, Any], suspended: bool, queue: str 
     assert js["metadata"]["labels"].get("kueue.x-k8s.io/queue-name") == queue
 
 
+def test_kueue_priority_class_label_and_pod_priority() -> None:
+    """Kueue's WorkloadPriorityClass is a label of the TPUFineTune, copied to the JobSet (where Kueue
+    reads it); spec.priorityClassName is the pods' (Kueue's priority when there is no such label)."""
+    obj = with_spec(queueName="q", priorityClassName="tpu-high")
+    obj["metadata"]["labels"] = {"kueue.x-k8s.io/priority-class": "research-high", "team": "a"}
+    js = render_run(obj).jobset
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "research-high"
+    assert "team" not in js["metadata"]["labels"]
+    assert pod_spec(js)["priorityClassName"] == "tpu-high"
+    assert (
+        "kueue.x-k8s.io/priority-class"
+        not in render_run(with_spec(queueName="q")).jobset["metadata"]["labels"]
+    )
+
+
 def test_spot_and_reservation_selectors() -> None:
     obj = with_spec(tpu={"type": "v5p", "topology": "2x2x2", "spot": True, "reservation": "res-a"})
     pod = pod_spec(render_run(obj).jobset)

@@ -93,6 +93,16 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "list"]
+# Kueue's Workloads (Kueue makes one per JobSet that carries a queue label, i.e. per run with
+# spec.queueName): list and watch them to say in a queued run's status why it waits (no such
+# LocalQueue, inactive ClusterQueue, not enough quota, pending admission checks) and to post Events
+# when Kueue admits or evicts it. patch: only spec.active, Kueue's own switch to hold a workload,
+# when a queued run's spec.suspend is set (Kueue unsuspends a JobSet whose Workload it admits, so
+# suspending the JobSet alone would not hold it). No create, delete, get or status writes. Granted
+# with or without Kueue installed (a rule may name a resource that does not exist yet).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "watch", "patch"]
 {{- if and .Values.networkPolicy.enabled .Values.networkPolicy.trainers }}
 # networkPolicy.trainers: one NetworkPolicy per run (its pods accept connections only from the
 # same run's pods), owned by the run and deleted with it by the garbage collector. create; get to

@@ -512,10 +512,19 @@ class TPUFineTuneSpec(_Spec):
     )
     queue_name: DnsLabel | None = Field(
         default=None,
-        description="Kueue LocalQueue to submit to. The run is created suspended and starts when Kueue admits it.",
+        description=(
+            "Kueue LocalQueue to submit to. The run is created suspended and starts when Kueue admits it "
+            "(all its slices at once: one Workload); condition Queued says why it waits. Its priority: "
+            "Kueue's WorkloadPriorityClass in the label kueue.x-k8s.io/priority-class of this TPUFineTune, "
+            "else priorityClassName's."
+        ),
     )
     priority_class_name: DnsSubdomain | None = Field(
-        default=None, description="PriorityClass of the trainer pods."
+        default=None,
+        description=(
+            "PriorityClass of the trainer pods (the scheduler's pod priority; Kueue's priority of a queued "
+            "run unless the TPUFineTune has the label kueue.x-k8s.io/priority-class)."
+        ),
     )
     service_account_name: DnsSubdomain | None = Field(
         default=None,

@@ -39,6 +39,7 @@ class Binaries:
     kube_scheduler: Path
     kubectl: Path
     jobset: Path
+    kueue: Path
     kwok: Path
     helm: Path
 
@@ -63,6 +64,7 @@ def binaries(cache: Path) -> Binaries:
         kube_scheduler=k8s / "kube-scheduler",
         kubectl=k8s / "kubectl",
         jobset=cache / "bin" / f"jobset-{versions.JOBSET}" / "jobset",
+        kueue=cache / "bin" / f"kueue-{versions.KUEUE}-k8s{versions.KUBERNETES}" / "kueue",
         kwok=cache / "bin" / f"kwok-{versions.KWOK}" / "kwok",
         helm=cache / "bin" / f"helm-{versions.HELM}-k8s1.{versions.kubernetes_minor()}" / "helm",
     )
@@ -213,6 +215,29 @@ def _build_kubernetes(cache: Path, log_file: Path, log: Log) -> None:
     )
 
 
+def _build_kueue(cache: Path, binary: Path, log_file: Path, log: Log) -> None:
+    """Kueue's manager (sigs.k8s.io/kueue/cmd/kueue). It imports a few scheduler packages of
+    k8s.io/kubernetes, so it gets the same staging replaces as the Kubernetes build, pinned to the
+    cluster's own Kubernetes patch release: one set of client libraries, shared in the Go build cache."""
+    log(f"building kueue {versions.KUEUE} (cold: ~5-10 min on 2 cores after Kubernetes; log: {log_file})")
+    go_mod_path = _go_json(["mod", "download", "-json", f"k8s.io/kubernetes@{versions.KUBERNETES}"])["GoMod"]
+    staging = _staging_modules(Path(go_mod_path).read_text())
+    version_pkg = "sigs.k8s.io/kueue/pkg/version"
+    _build_helper_module(
+        cache,
+        name="kueue",
+        version=f"{versions.KUEUE}-k8s{versions.KUBERNETES}",
+        requires={"sigs.k8s.io/kueue": versions.KUEUE, "k8s.io/kubernetes": versions.KUBERNETES},
+        replaces=[f"replace {mod} => {mod} {versions.staging_version()}" for mod in staging],
+        packages=["sigs.k8s.io/kueue/cmd/kueue"],
+        out_dir=binary.parent,
+        log_file=log_file,
+        ldflags=(
+            f"-s -w -X {version_pkg}.GitVersion={versions.KUEUE} -X {version_pkg}.BuildDate=1970-01-01T00:00:00Z"
+        ),
+    )
+
+
 def _publish(staging_dir: Path, final_dir: Path) -> None:
     """Makes a finished build visible atomically, so an interrupted build is never mistaken for one."""
     if final_dir.exists():
@@ -232,10 +257,11 @@ def _helm_ldflags() -> str:
     return " ".join(["-s", "-w", *flags])
 
 
-def ensure_built(cache: Path, log: Log = print) -> Binaries:
-    """Builds whatever is missing for the pinned versions and returns the binaries."""
+def ensure_built(cache: Path, log: Log = print, *, kueue: bool = True) -> Binaries:
+    """Builds whatever is missing for the pinned versions and returns the binaries (Kueue's only
+    with ``kueue``: a cluster without it need not wait for its build)."""
     bins = binaries(cache)
-    missing = bins.missing()
+    missing = [name for name in bins.missing() if kueue or name != "kueue"]
     if not missing:
         return bins
     check_go()
@@ -245,6 +271,8 @@ def ensure_built(cache: Path, log: Log = print) -> Binaries:
     k8s_names = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"}
     if k8s_names & set(missing):
         _build_kubernetes(cache, logs / f"build-kubernetes-{versions.KUBERNETES}.log", log)
+    if "kueue" in missing:
+        _build_kueue(cache, bins.kueue, logs / f"build-kueue-{versions.KUEUE}.log", log)
     simple = (
         ("jobset", "sigs.k8s.io/jobset", versions.JOBSET, "sigs.k8s.io/jobset", bins.jobset, "-s -w"),
         ("kwok", "sigs.k8s.io/kwok", versions.KWOK, "sigs.k8s.io/kwok/cmd/kwok", bins.kwok, "-s -w"),
@@ -264,7 +292,7 @@ def ensure_built(cache: Path, log: Log = print) -> Binaries:
             log_file=logs / f"build-{name}-{version}.log",
             ldflags=ldflags,
         )
-    still_missing = bins.missing()
+    still_missing = [name for name in bins.missing() if kueue or name != "kueue"]
     if still_missing:
         raise BuildError(f"the build finished but these binaries are missing: {', '.join(still_missing)}")
     return bins

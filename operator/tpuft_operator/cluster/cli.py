@@ -33,7 +33,9 @@ _HELP = f"""Run a real local control plane with fake GKE TPU nodes (no GKE, no D
     \b
     Components (built from Go modules with your Go, cached under $TPUFT_CACHE/bin by version):
       etcd, kube-apiserver (RBAC on), kube-controller-manager, kube-scheduler, kubectl,
-      the JobSet controller {versions.JOBSET} with its webhooks, kwok {versions.KWOK} (fake nodes), helm.
+      the JobSet controller {versions.JOBSET} with its webhooks, the Kueue controller {versions.KUEUE}
+      with its webhooks (JobSet integration; --no-kueue leaves it out), kwok {versions.KWOK}
+      (fake nodes), helm.
     Kubernetes {versions.KUBERNETES}. Everything listens on 127.0.0.1 only.
 
     \b
@@ -74,9 +76,20 @@ def build_command() -> None:
 @cluster.command()
 @name_option
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for each component.")
-def up(name: str, timeout: float) -> None:
+@click.option(
+    "--kueue/--no-kueue",
+    default=None,
+    help="Run Kueue (default for a new cluster: yes; a running cluster keeps what it has).",
+)
+def up(name: str, timeout: float, kueue: bool | None) -> None:
     """Start the cluster, or the components of it that are not running (idempotent)."""
-    _run("cluster up", lambda: _cluster(name).up(timeout=timeout))
+
+    def go() -> None:
+        c = _cluster(name)
+        wanted = kueue if kueue is not None else (None if c.layout.state.exists() else True)
+        c.up(timeout=timeout, kueue=wanted)
+
+    _run("cluster up", go)
 
 
 @cluster.command()
@@ -111,6 +124,27 @@ def status(name: str) -> None:
             sys.exit(1)
 
     _run("cluster status", go)
+
+
+@cluster.command()
+@name_option
+@click.argument("component", required=False)
+@click.option("--lines", default=50, show_default=True, help="How many of the last lines to print.")
+def logs(name: str, component: str | None, lines: int) -> None:
+    """Print the last lines of a component's log (e.g. kueue-controller), or list the log files."""
+
+    def go() -> None:
+        c = _cluster(name)
+        if component is None:
+            for path in sorted(c.layout.logs.glob("*.log")):
+                click.echo(path)
+            return
+        path = c.log_path(component)  # an unknown name: an error that lists the components
+        if not path.exists():
+            raise ClusterError(f"{component} has no log yet ({path}): has it been started?")
+        click.echo("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+
+    _run("cluster logs", go)
 
 
 @cluster.command()

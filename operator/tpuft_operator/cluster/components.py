@@ -19,6 +19,7 @@ COMPONENTS = (
     "kube-controller-manager",
     "kube-scheduler",
     "jobset-controller",
+    "kueue-controller",  # only in clusters started with Kueue (`tpuft cluster up`; tests opt in)
     "kwok",
 )
 PORT_NAMES = (
@@ -29,6 +30,8 @@ PORT_NAMES = (
     "kube-scheduler",
     "jobset-webhook",
     "jobset-health",
+    "kueue-webhook",
+    "kueue-health",
     "kwok",
 )
 SERVICE_CIDR = "10.96.0.0/16"  # only a setting of the apiserver: nothing listens there
@@ -75,6 +78,10 @@ class Layout:
         return self.root / "jobset-config.yaml"
 
     @property
+    def kueue_config(self) -> Path:
+        return self.root / "kueue-config.yaml"
+
+    @property
     def kwok_config(self) -> Path:
         return self.root / "kwok.yaml"
 
@@ -105,11 +112,12 @@ def _audit_flags(layout: Layout) -> list[str]:
     ]
 
 
-def specs(layout: Layout, bins: Binaries, ports: dict[str, int]) -> list[Component]:
+def specs(layout: Layout, bins: Binaries, ports: dict[str, int], *, kueue: bool = False) -> list[Component]:
+    """The cluster's processes in start order; the Kueue controller only when ``kueue``."""
     pki = layout.pki
     kubeconfig = str(layout.admin_kubeconfig)
     apiserver_url = f"https://127.0.0.1:{ports['kube-apiserver']}"
-    return [
+    every = [
         Component(
             name="etcd",
             argv=[
@@ -203,6 +211,18 @@ def specs(layout: Layout, bins: Binaries, ports: dict[str, int]) -> list[Compone
             health_url=f"http://127.0.0.1:{ports['jobset-health']}/readyz",
         ),
         Component(
+            name="kueue-controller",
+            argv=[
+                str(bins.kueue),
+                f"--config={layout.kueue_config}",
+                f"--kubeconfig={kubeconfig}",
+                "--zap-log-level=info",
+            ],
+            # Ready once its webhook server listens: before that, JobSets with a queue label and
+            # Kueue's own objects are refused by its webhooks.
+            health_url=f"http://127.0.0.1:{ports['kueue-health']}/readyz",
+        ),
+        Component(
             name="kwok",
             argv=[
                 str(bins.kwok),
@@ -219,6 +239,7 @@ def specs(layout: Layout, bins: Binaries, ports: dict[str, int]) -> list[Compone
             health_url=f"http://127.0.0.1:{ports['kwok']}/healthz",
         ),
     ]
+    return [c for c in every if kueue or c.name != "kueue-controller"]
 
 
 def jobset_configuration(layout: Layout, ports: dict[str, int]) -> dict[str, object]:
@@ -236,4 +257,38 @@ def jobset_configuration(layout: Layout, ports: dict[str, int]) -> dict[str, obj
         },
         "metrics": {"bindAddress": "0"},
         "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['jobset-health']}"},
+    }
+
+
+# Kueue's manager loads a metrics serving certificate from this fixed path whenever its internal
+# certificate management is off (cmd/kueue/main.go), even with the metrics server disabled. Out of
+# cluster there is no Secret mounted there, so the cluster puts a certificate of its own there.
+KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+# The one integration the local cluster enables: tpuft's runs are JobSets. Each other framework would
+# need its CRDs (or intercept every pod, for "pod"); their webhooks are not registered either.
+KUEUE_FRAMEWORKS = ("jobset.x-k8s.io/jobset",)
+
+
+def kueue_configuration(layout: Layout, ports: dict[str, int]) -> dict[str, object]:
+    """Kueue's Configuration (config.kueue.x-k8s.io/v1beta2) for a manager outside the cluster:
+    upstream's controller_manager_config.yaml, with webhooks on loopback under our CA."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": "kueue-system",
+        "manageJobsWithoutQueueName": False,
+        "leaderElection": {"leaderElect": False},
+        # We sign its webhook certificate (its own rotation patches a Service and Secret it has not got).
+        "internalCertManagement": {"enable": False},
+        "webhook": {
+            "host": "127.0.0.1",
+            "port": ports["kueue-webhook"],
+            "certDir": str(layout.pki.webhook_dir),
+        },
+        "metrics": {"bindAddress": "0"},
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['kueue-health']}"},
+        "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
+        # The on-demand visibility API is an aggregated apiserver on a fixed port of every interface:
+        # several local clusters could not run side by side, and tpuft reads Workloads instead.
+        "featureGates": {"VisibilityOnDemand": False},
     }

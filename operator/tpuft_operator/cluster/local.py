@@ -12,6 +12,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -97,22 +98,37 @@ class LocalCluster:
     def kubeconfig(self) -> Path:
         return self.layout.admin_kubeconfig
 
-    def _ensure_state(self) -> dict[str, int]:
+    @property
+    def kueue(self) -> bool:
+        """Whether this cluster runs Kueue (recorded at `up(kueue=True)`, kept by later `up()`s)."""
+        if not self.layout.state.exists():
+            return False
+        return bool(json.loads(self.layout.state.read_text()).get("kueue"))
+
+    def _ensure_state(self, kueue: bool | None) -> dict[str, int]:
+        state: dict[str, Any]
         if self.layout.state.exists():
-            return self.ports
-        self.layout.root.mkdir(parents=True, exist_ok=True)
-        ports = dict(zip(components.PORT_NAMES, _free_ports(len(components.PORT_NAMES)), strict=True))
-        state = {
-            "name": self.name,
-            "kubernetes": versions.KUBERNETES,
-            "jobset": versions.JOBSET,
-            "ports": ports,
-        }
+            state = json.loads(self.layout.state.read_text())
+        else:
+            self.layout.root.mkdir(parents=True, exist_ok=True)
+            state = {
+                "name": self.name,
+                "kubernetes": versions.KUBERNETES,
+                "jobset": versions.JOBSET,
+                "ports": {},
+            }
+        # A cluster made by an older tpuft lacks the ports of newer components: give them free ones.
+        missing = [name for name in components.PORT_NAMES if name not in state["ports"]]
+        state["ports"].update(zip(missing, _free_ports(len(missing)), strict=True))
+        if kueue is not None:
+            state["kueue"] = kueue
+            state["kueueVersion"] = versions.KUEUE if kueue else None
         self.layout.state.write_text(json.dumps(state, indent=2))
+        ports: dict[str, int] = state["ports"]
         return ports
 
     def _components(self) -> list[Component]:
-        return components.specs(self.layout, self.bins, self.ports)
+        return components.specs(self.layout, self.bins, self.ports, kueue=self.kueue)
 
     # ----------------------------------------------------------------- processes
     def _pid(self, name: str) -> int | None:
@@ -187,6 +203,10 @@ class LocalCluster:
             f"last lines of {log_path}:\n{_tail(log_path)}"
         )
 
+    def log_path(self, name: str) -> Path:
+        """Where component ``name`` logs (ClusterError for a component this cluster does not run)."""
+        return self.layout.logs / f"{self._component(name).name}.log"
+
     def start_component(self, name: str, timeout: float = 120) -> None:
         component = self._component(name)
         if not self._alive(component):
@@ -217,27 +237,38 @@ class LocalCluster:
         raise ClusterError(f"unknown component {name!r}; components: {', '.join(components.COMPONENTS)}")
 
     # ----------------------------------------------------------------- lifecycle
-    def up(self, timeout: float = 180) -> None:
-        """Builds what is missing, then starts every component that is not running."""
-        build.ensure_built(self.cache, self.log)
-        ports = self._ensure_state()
+    def up(self, timeout: float = 180, *, kueue: bool | None = None) -> None:
+        """Builds what is missing, then starts every component that is not running. ``kueue``
+        True/False adds or leaves out the Kueue controller (None: as the cluster was started); once
+        added it stays (its webhooks and CRDs would refuse or strand queued JobSets without it)."""
+        if kueue is False and self.kueue:
+            raise ClusterError(
+                f"cluster {self.name!r} runs Kueue; `tpuft cluster down` it to start one without Kueue"
+            )
+        build.ensure_built(self.cache, self.log, kueue=bool(kueue) or self.kueue)
+        ports = self._ensure_state(kueue)
         layout = self.layout
         pki.create(layout.pki.directory)
         layout.admin_kubeconfig.write_text(pki.admin_kubeconfig(self.server, layout.pki))
         layout.admin_kubeconfig.chmod(0o600)
         kwok_dir = build.module_cache_dir("sigs.k8s.io/kwok", versions.KWOK)
-        changed = [
-            name
-            for name, path, text in (
-                (
-                    "jobset-controller",
-                    layout.jobset_config,
-                    yaml.safe_dump(components.jobset_configuration(layout, ports)),
-                ),
-                ("kwok", layout.kwok_config, kwok.stages_config(kwok_dir)),
-            )
-            if _write_if_changed(path, text)
+        configs = [
+            (
+                "jobset-controller",
+                layout.jobset_config,
+                yaml.safe_dump(components.jobset_configuration(layout, ports)),
+            ),
+            ("kwok", layout.kwok_config, kwok.stages_config(kwok_dir)),
         ]
+        if self.kueue:
+            configs.append(
+                (
+                    "kueue-controller",
+                    layout.kueue_config,
+                    yaml.safe_dump(components.kueue_configuration(layout, ports)),
+                )
+            )
+        changed = [name for name, path, text in configs if _write_if_changed(path, text)]
         for name in changed:
             self.stop_component(name)  # restarted below with the new configuration
 
@@ -249,6 +280,9 @@ class LocalCluster:
                 # Running but not healthy (yet): give it the same time as a fresh start before giving up.
                 self._wait_healthy(component, timeout)
                 continue
+            if component.name == "kueue-controller":
+                # Its manager will not start before its CRDs are served.
+                self._install_kueue_api()
             self.log(f"starting {component.name}")
             self._start(component, timeout)
             started.append(component.name)
@@ -256,9 +290,12 @@ class LocalCluster:
                 self._install_jobset_api()
         if "kube-apiserver" not in started:
             self._install_jobset_api()  # idempotent; also repairs a deleted webhook configuration
+        if self.kueue and "kueue-controller" not in started:
+            self._install_kueue_api()
+        with_kueue = f"Kueue {versions.KUEUE}, " if self.kueue else ""
         self.log(
             f"cluster {self.name!r} is up: Kubernetes {versions.KUBERNETES}, JobSet {versions.JOBSET}, "
-            f"kwok {versions.KWOK}; apiserver {self.server}"
+            f"{with_kueue}kwok {versions.KWOK}; apiserver {self.server}"
         )
 
     def _wait_healthy(self, component: Component, timeout: float) -> None:
@@ -344,6 +381,18 @@ class LocalCluster:
         self.apply(webhook_configurations(module, self.ports["jobset-webhook"], self.layout.pki.ca_cert))
         self.wait_established("jobsets.jobset.x-k8s.io")
 
+    def _install_kueue_api(self) -> None:
+        """Kueue's CRDs (with their conversion webhook) and its webhooks, from its module, pointed at
+        the manager on loopback with our CA; and the metrics certificate its manager insists on."""
+        module = build.module_cache_dir("sigs.k8s.io/kueue", versions.KUEUE)
+        port, ca = self.ports["kueue-webhook"], self.layout.pki.ca_cert
+        crds = kueue_crds(module, port, ca)
+        self.apply(crds)
+        self.apply(kueue_webhook_configurations(module, port, ca))
+        for crd in crds:
+            self.wait_established(crd["metadata"]["name"])
+        ensure_kueue_metrics_cert(self.layout.pki.webhook_dir)
+
     def wait_established(self, crd: str, timeout: float = 60) -> None:
         """Waits for a CRD to be served. (`kubectl wait` fails outright while status is still empty.)"""
         jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
@@ -418,3 +467,83 @@ def webhook_configurations(jobset_module: Path, port: int, ca_cert: Path) -> lis
             path = webhook["clientConfig"]["service"]["path"]
             webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
     return configs
+
+
+def _url_client_config(path: str, port: int, ca_cert: Path) -> dict[str, str]:
+    ca_bundle = base64.b64encode(ca_cert.read_bytes()).decode()
+    return {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
+
+
+def kueue_crds(kueue_module: Path, port: int, ca_cert: Path) -> list[dict[str, Any]]:
+    """Kueue's CRDs as its config/components/crd kustomization lists them, with its conversion
+    webhook patches (served by the manager at /convert) pointed at loopback."""
+    crd_dir = kueue_module / "config" / "components" / "crd"
+    kustomization = yaml.safe_load((crd_dir / "kustomization.yaml").read_text())
+    crds = [yaml.safe_load((crd_dir / resource).read_text()) for resource in kustomization["resources"]]
+    by_name = {crd["metadata"]["name"]: crd for crd in crds}
+    for patch in kustomization.get("patches") or []:
+        patched = yaml.safe_load((crd_dir / patch["path"]).read_text())
+        conversion = (patched.get("spec") or {}).get("conversion")
+        if not conversion or patched["metadata"]["name"] not in by_name:
+            continue  # the cert-manager annotations are commented out upstream; nothing else is patched
+        webhook = dict(conversion["webhook"])
+        webhook["clientConfig"] = _url_client_config(
+            webhook["clientConfig"]["service"]["path"], port, ca_cert
+        )
+        by_name[patched["metadata"]["name"]]["spec"]["conversion"] = {**conversion, "webhook": webhook}
+    return crds
+
+
+_WEBHOOK_FIELD = re.compile(r"^webhooks\.\[name=([^\]]+)\]\.(\w+)$")
+
+
+def kueue_webhook_configurations(kueue_module: Path, port: int, ca_cert: Path) -> list[dict[str, Any]]:
+    """Kueue's admission webhooks for its own objects and for JobSets (the one integration the local
+    cluster enables: `components.KUEUE_FRAMEWORKS`), with its kustomization's namespaceSelector (not
+    kube-system, not kueue-system) and URLs on loopback. The webhooks of disabled integrations are
+    left out: the manager does not serve them, and a registered one would refuse every pod or Job."""
+    webhook_dir = kueue_module / "config" / "components" / "webhook"
+    configs = [doc for doc in yaml.safe_load_all((webhook_dir / "manifests.yaml").read_text()) if doc]
+    kustomization = yaml.safe_load((webhook_dir / "kustomization.yaml").read_text())
+    by_name = {w["name"]: w for config in configs for w in config["webhooks"]}
+    for patch in kustomization.get("patches") or []:
+        doc = yaml.safe_load(patch["patch"]) if "patch" in patch else {}
+        for webhook in doc.get("webhooks") or []:
+            if webhook["name"] in by_name:
+                by_name[webhook["name"]].update({k: v for k, v in webhook.items() if k != "name"})
+    for replacement in kustomization.get("replacements") or []:
+        source = _WEBHOOK_FIELD.match(replacement["source"]["fieldPath"])
+        if source is None or source[1] not in by_name:
+            raise ClusterError(f"unexpected replacement in Kueue's webhook kustomization: {replacement}")
+        value = by_name[source[1]].get(source[2])
+        for target in replacement["targets"]:
+            for field_path in target["fieldPaths"]:
+                match = _WEBHOOK_FIELD.match(field_path)
+                if match and match[1] in by_name:
+                    by_name[match[1]][match[2]] = value
+    groups = {"kueue.x-k8s.io", *(f.split("/")[0] for f in components.KUEUE_FRAMEWORKS)}
+    for config in configs:
+        config["metadata"]["name"] = f"kueue-{config['metadata']['name']}"
+        config["webhooks"] = [
+            {**w, "clientConfig": _url_client_config(w["clientConfig"]["service"]["path"], port, ca_cert)}
+            for w in config["webhooks"]
+            if {g for rule in w.get("rules") or [] for g in rule.get("apiGroups") or []} <= groups
+        ]
+    return configs
+
+
+def ensure_kueue_metrics_cert(webhook_dir: Path, target: Path = components.KUEUE_METRICS_CERT_DIR) -> None:
+    """Puts a certificate where Kueue's manager reads its metrics one (it serves no metrics here: any
+    valid pair will do, so one left by another local cluster is kept)."""
+    if (target / "tls.crt").exists() and (target / "tls.key").exists():
+        return
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("tls.crt", "tls.key"):
+            shutil.copyfile(webhook_dir / name, target / name)
+    except OSError as error:
+        raise ClusterError(
+            f"Kueue's manager reads a metrics certificate from {target} even with metrics off, and it "
+            f"cannot be written ({error}); create it once as root: mkdir -p {target} && "
+            f"cp {webhook_dir}/tls.crt {webhook_dir}/tls.key {target}/"
+        ) from error

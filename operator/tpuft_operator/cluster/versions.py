@@ -1,6 +1,8 @@
 """Pinned versions of every component of the local control plane: the one place to change them.
 
-They move together: JobSet v0.12 builds against Kubernetes 1.36; etcd comes from the version that
+They move together: JobSet v0.12 builds against Kubernetes 1.36; Kueue v0.19 is the first release
+built against Kubernetes 1.36 (and JobSet v0.12), and its e2e suites run on 1.34-1.36 (v0.18 is not
+served by the module proxy; v0.17 is built against 1.35); etcd comes from the version that
 Kubernetes itself requires (read from its go.mod at build time, so it cannot disagree); helm's
 offline `template`/`lint` assume the Kubernetes minor given here.
 """
@@ -9,9 +11,10 @@ from __future__ import annotations
 
 KUBERNETES = "v1.36.3"
 JOBSET = "v0.12.0"
+KUEUE = "v0.19.0"
 KWOK = "v0.8.0"
 HELM = "v3.22.0"
-# The Go toolchain these modules need (go.mod `go` lines of kubernetes 1.36 and jobset 0.12).
+# The Go toolchain these modules need (go.mod `go` lines of kubernetes 1.36, jobset 0.12, kueue 0.19).
 MIN_GO = (1, 26)
 
 

@@ -52,6 +52,9 @@ FINETUNE_LABEL = "tpuft.dev/finetune"
 FINETUNE_UID_LABEL = "tpuft.dev/finetune-uid"
 FINETUNE_ANNOTATION = "tpuft.dev/finetune"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# Kueue's WorkloadPriorityClass of a job: a label of the TPUFineTune, copied to its JobSet (Kueue reads
+# it there; without it, Kueue takes the priority of the pods' spec.priorityClassName).
+KUEUE_PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
@@ -318,6 +321,9 @@ def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: Rende
     annotations: dict[str, str] = {}
     if spec.queue_name is not None:
         labels[KUEUE_QUEUE_LABEL] = spec.queue_name
+    workload_priority = (ft.metadata.labels or {}).get(KUEUE_PRIORITY_CLASS_LABEL)
+    if workload_priority:
+        labels[KUEUE_PRIORITY_CLASS_LABEL] = workload_priority
     if shape.multi_host or shape.slices > 1:
         # One slice per node pool: JobSet places each Job's leader pod first and pins its followers
         # to the leader's pool, so a slice never straddles two pools (multi-host pools are atomic).
