@@ -21,13 +21,13 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tpuft_operator.cluster.executor import LocalExecutor
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_operator.cluster.local import ClusterError, LocalCluster
 from tpuft_operator.cluster.operator_process import (
     HOST_PATH_VALUES,
     OperatorProcess,
@@ -73,33 +73,51 @@ class Run:
         self.cluster, self.executor, self.name, self.output = cluster, executor, name, output
         self.namespace = namespace_of(name)
 
+    def kubectl(self, *args: str) -> str:
+        """A cluster call the benchmark needs to succeed: asked again while kubectl fails."""
+        for attempt in range(10):
+            try:
+                return self.cluster.kubectl(*args).stdout
+            except ClusterError as error:
+                if attempt == 9:
+                    raise
+                print(f"   [{self.name}] asking again: {error}")
+                time.sleep(2)
+        raise AssertionError("unreachable")
+
     def status(self) -> dict[str, Any]:
-        out = self.cluster.kubectl("get", "tpuft", self.name, "-n", self.namespace, "-o", "json")
-        return dict(json.loads(out.stdout).get("status") or {})
+        out = self.kubectl("get", "tpuft", self.name, "-n", self.namespace, "-o", "json")
+        return dict(json.loads(out).get("status") or {})
 
     def step(self) -> int:
         return int((self.status().get("progress") or {}).get("step") or 0)
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 600) -> None:
+        """Until ``check()``; a kubectl call that fails on a loaded machine is asked again."""
         deadline = time.monotonic() + timeout
-        while not check():
+        while True:
+            try:
+                if check():
+                    return
+            except ClusterError as error:
+                print(f"   [{self.name}] asking again: {error}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name}: timed out waiting for {what}; status {self.status()}")
             time.sleep(0.5)
 
     def wait_for_step(self, step: int) -> None:
-        self.wait(f"step {step}", lambda: self.step() >= step)
+        self.wait(f"step {step}", lambda: self.step() >= step, timeout=4 * 3600)
 
     def suspend(self, value: bool) -> None:
         body = json.dumps({"spec": {"suspend": value}})
-        self.cluster.kubectl("patch", "tpuft", self.name, "-n", self.namespace, "--type=merge", "-p", body)
+        self.kubectl("patch", "tpuft", self.name, "-n", self.namespace, "--type=merge", "-p", body)
 
     def node(self) -> str:
-        out = self.cluster.kubectl(
+        out = self.kubectl(
             "get", "pods", "-n", self.namespace, "-l", f"tpuft.dev/finetune={self.name}", "-o",
             "jsonpath={.items[?(@.status.phase=='Running')].spec.nodeName}",
         )  # fmt: skip
-        return out.stdout.split()[0]
+        return out.split()[0]
 
     def checkpoints(self) -> list[int]:
         return sorted(
@@ -130,7 +148,7 @@ def disrupt(run: Run, steps: int) -> list[dict[str, Any]]:
     announced = int(time.time()) + 3600
     saved_before = run.checkpoints()
     started = time.monotonic()
-    run.cluster.kubectl("label", "node", node, f"{SCHEDULED_LABEL}={announced}", "--overwrite")
+    run.kubectl("label", "node", node, f"{SCHEDULED_LABEL}={announced}", "--overwrite")
     run.wait(
         "the maintenance checkpoint",
         lambda: (
@@ -144,11 +162,9 @@ def disrupt(run: Run, steps: int) -> list[dict[str, Any]]:
         "checkpoint": next((s for s in run.checkpoints() if s not in saved_before), None),
     }
     run.wait_for_step(steps * 75 // 100)
-    run.cluster.kubectl(
-        "drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=300s"
-    )
-    run.cluster.kubectl("uncordon", node)
-    run.cluster.kubectl("label", "node", node, f"{SCHEDULED_LABEL}-")
+    run.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=300s")
+    run.kubectl("uncordon", node)
+    run.kubectl("label", "node", node, f"{SCHEDULED_LABEL}-")
     done += [asked, {"disruption": "the maintenance: node drained (SIGTERM), back at once"}]
     return done
 
@@ -189,7 +205,7 @@ def measure(cluster: LocalCluster, root: Path, name: str, steps: int, disrupted:
     try:
         cluster.apply([run_body(name, root, steps)])
         disruptions = disrupt(run, steps) if disrupted else []
-        run.wait("the end", lambda: run.status().get("phase") in ("Succeeded", "Failed"), timeout=3600)
+        run.wait("the end", lambda: run.status().get("phase") in ("Succeeded", "Failed"), timeout=4 * 3600)
     finally:
         executor.stop()
     status = run.status()
@@ -243,9 +259,12 @@ def main(steps: int = STEPS) -> dict[str, Any]:
         # Side by side, each on its own node: whatever else loads the machine loads both alike, so
         # their goodputs compare (one after the other, the load of the hour decided the ratio).
         print(f">> goodput: two runs of {steps} steps at once; one is suspended, SIGKILLed and maintained")
-        with ThreadPoolExecutor(len(RUNS)) as pool:
-            futures = [pool.submit(measure, cluster, root, name, steps, name == "disrupted") for name in RUNS]
-            calm, rough = (f.result() for f in futures)
+        pool = ThreadPoolExecutor(len(RUNS))
+        futures = [pool.submit(measure, cluster, root, name, steps, name == "disrupted") for name in RUNS]
+        # One run failing ends the benchmark now, not when the other has finished.
+        wait(futures, return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False, cancel_futures=True)
+        calm, rough = (f.result() for f in futures)
     finally:
         operator.stop()
         cluster.down()
