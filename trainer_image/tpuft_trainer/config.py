@@ -212,7 +212,9 @@ class TrainerConfig(_Strict):
     def _objective_matches_format(self) -> TrainerConfig:
         preference = self.dataset.format == "preference"
         if self.training.objective == "dpo" and not preference:
-            raise ValueError("training.objective dpo needs dataset.format preference (prompt, chosen, rejected)")
+            raise ValueError(
+                "training.objective dpo needs dataset.format preference (prompt, chosen, rejected)"
+            )
         if preference and self.training.objective != "dpo":
             raise ValueError("dataset.format preference needs training.objective dpo")
         return self

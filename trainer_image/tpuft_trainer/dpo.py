@@ -121,6 +121,16 @@ def shard_reference(trainer: Any) -> None:
     trainer.ref_model.eval()
 
 
+def reference_sharding(trainer: Any) -> dict[str, str]:
+    """The sharding spec of every parameter of the frozen reference (empty with LoRA: there is none)."""
+    reference = getattr(trainer, "ref_model", None)
+    if reference is None:
+        return {}
+    import torch_xla
+
+    return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in reference.named_parameters()}
+
+
 def check_rows(trainer: Any, source: DatasetSource, global_batch: int) -> None:
     """trl drops pairs whose prompt fills max_seq_length; every batch must still be full."""
     for what, dataset in (("dataset", trainer.train_dataset), ("evaluation set", trainer.eval_dataset)):

@@ -254,7 +254,12 @@ def make_callback(
             if not is_rank_zero:
                 return
             snapshot = meter.update(int(state.global_step), self.last_loss, self.last_eval_loss)
-            snapshot = replace(snapshot, details=details(), **self.last_rewards)
+            snapshot = replace(
+                snapshot,
+                details=details(),
+                reward_accuracy=self.last_rewards.get("reward_accuracy"),
+                reward_margin=self.last_rewards.get("reward_margin"),
+            )
             logger.info("progress: %s", snapshot.to_line())
             for sink in sinks:
                 try:

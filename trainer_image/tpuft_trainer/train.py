@@ -52,6 +52,8 @@ class RunRecord:
     compiles_after_eval: dict[int, int] = field(default_factory=dict)
     compiles_after_save: dict[int, int] = field(default_factory=dict)
     parameter_sharding: dict[str, str] = field(default_factory=dict)
+    # objective dpo, method full: the frozen reference's parameters (sharded like the policy's).
+    reference_sharding: dict[str, str] = field(default_factory=dict)
     checkpointed_blocks: int = 0
     tensor_parallel_weights: int = 0
     final_step: int = 0
@@ -163,9 +165,19 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         model, config.fsdp.layer_cls_to_wrap, gradient_checkpointing=config.fsdp.gradient_checkpointing
     )
     trainer = _build_trainer(
-        config, model, reference, tokenizer, dataset, eval_dataset, output, global_batch, fsdp_args, is_rank_zero
+        config,
+        model,
+        reference,
+        tokenizer,
+        dataset,
+        eval_dataset,
+        output,
+        global_batch,
+        fsdp_args,
+        is_rank_zero,
     )
     flops = throughput.model_flops(trainer.model, reference_forward=preference)
+    record.reference_sharding = dpo.reference_sharding(trainer)
     record.rows_per_step = global_batch * training.gradient_accumulation_steps
     # A preference pair is two rows of max_seq_length: prompt + chosen, prompt + rejected.
     tokens_per_step = record.rows_per_step * training.max_seq_length * (2 if preference else 1)
@@ -290,9 +302,13 @@ def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: 
 
 def _preference_datasets(config: TrainerConfig, tokenizer: Any) -> tuple[Any, Any]:
     """Preference pairs for trl's DPOTrainer (which tokenises them), and evaluation pairs or None."""
-    train_rows, eval_rows = evaluation.split(data.load_rows(config.dataset), config.dataset, config.training.seed)
+    train_rows, eval_rows = evaluation.split(
+        data.load_rows(config.dataset), config.dataset, config.training.seed
+    )
     dataset = dpo.preference_rows(train_rows, config.dataset, tokenizer)
-    eval_dataset = dpo.preference_rows(eval_rows, config.dataset, tokenizer) if eval_rows is not None else None
+    eval_dataset = (
+        dpo.preference_rows(eval_rows, config.dataset, tokenizer) if eval_rows is not None else None
+    )
     log.info(
         "%d preference pairs, each two rows of %d positions%s",
         len(dataset),
@@ -383,7 +399,16 @@ def _build_trainer(
         # With LoRA trl adds the adapter, and computes the reference with it disabled.
         lora = _lora_config(config) if training.method == "lora" else None
         return dpo.build_trainer(
-            config, model, reference, lora, tokenizer, dataset, eval_dataset, arguments, callbacks, global_batch
+            config,
+            model,
+            reference,
+            lora,
+            tokenizer,
+            dataset,
+            eval_dataset,
+            arguments,
+            callbacks,
+            global_batch,
         )
     # Text and chat alike: the rows are tokenised, labelled (assistant-only loss) and packed (position
     # ids) already, so they are stacked as they are. trl's SFTTrainer would rebuild the position ids

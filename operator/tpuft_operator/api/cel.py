@@ -204,9 +204,13 @@ def training_rules() -> list[Rule]:
 
 WARMUP_MESSAGE = "set at most one of warmupSteps and warmupRatio"
 DPO_SETTINGS_MESSAGE = "dpo settings apply only with objective: dpo"
-DPO_FORMAT_MESSAGE = "objective dpo needs dataset.format: preference (a prompt, a chosen and a rejected completion)"
+DPO_FORMAT_MESSAGE = (
+    "objective dpo needs dataset.format: preference (a prompt, a chosen and a rejected completion)"
+)
 PREFERENCE_OBJECTIVE_MESSAGE = "format preference needs training.objective: dpo"
-PREFERENCE_PACKING_MESSAGE = "packing applies only to formats text and chat (preference pairs are scored whole)"
+PREFERENCE_PACKING_MESSAGE = (
+    "packing applies only to formats text and chat (preference pairs are scored whole)"
+)
 WARMUP_LENGTH_MESSAGE = "warmupSteps must be fewer than maxSteps (the run would never reach learningRate)"
 EVAL_SOURCE_MESSAGE = "set at most one of evalSplit and evalFraction"
 EVAL_SPLIT_MESSAGE = "evalSplit must differ from split: evaluating on the training rows measures nothing"
