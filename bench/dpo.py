@@ -148,8 +148,9 @@ def report(results: dict[str, Any]) -> list[str]:
     lines = [f"dpo ({results['what']}; bench/results/dpo.json):"]
     for name in ("sft", "dpo_full", "dpo_lora"):
         run = results[name]
+        positions = GLOBAL_ROWS * SEQ_LEN / run["median_step_seconds"]  # the same positions every step
         line = (
-            f"  {name:<9} step {run['median_step_seconds']:.3f} s, {run['tokens_per_second']:,.0f} tokens/s, "
+            f"  {name:<9} step {run['median_step_seconds']:.3f} s ({positions:,.0f} positions/s), "
             f"compiles {run['compiles_after_warmup']}->{run['compiles_at_end']}, "
             f"loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}"
         )
