@@ -136,7 +136,9 @@ def main() -> dict[str, Any]:
         "timed_steps": TIMED_STEPS,
         "ln2": round(math.log(2), 4),
         **runs,
-        "step_time_vs_sft": {k: round(runs[k]["median_step_seconds"] / sft, 2) for k in ("dpo_full", "dpo_lora")},
+        "step_time_vs_sft": {
+            k: round(runs[k]["median_step_seconds"] / sft, 2) for k in ("dpo_full", "dpo_lora")
+        },
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

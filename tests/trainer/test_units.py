@@ -425,11 +425,11 @@ def test_dpo_and_preference_need_each_other_in_the_trainer_config() -> None:
         "training": {"max_steps": 1},
         "output": {"uri": "/o"},
     }
-    with pytest.raises(ValidationError, match="objective dpo needs dataset.format preference"):
+    with pytest.raises(ValidationError, match=r"objective dpo needs dataset\.format preference"):
         TrainerConfig.model_validate({**base, "training": {"max_steps": 1, "objective": "dpo"}})
-    with pytest.raises(ValidationError, match="format preference needs training.objective dpo"):
+    with pytest.raises(ValidationError, match=r"format preference needs training\.objective dpo"):
         TrainerConfig.model_validate({**base, "dataset": {"name": "d", "format": "preference"}})
-    with pytest.raises(ValidationError, match="training.dpo is set but training.objective is not dpo"):
+    with pytest.raises(ValidationError, match=r"training\.dpo is set but training\.objective is not dpo"):
         TrainerConfig.model_validate({**base, "training": {"max_steps": 1, "dpo": {"beta": 0.2}}})
     ok = TrainerConfig.model_validate(
         {
@@ -452,7 +452,7 @@ def test_preference_rows_are_checked_and_renamed() -> None:
     rows = Dataset.from_list([{"prompt": "q? ", "good": "yes", "bad": "no", "extra": 1}])
     picked = dpo.preference_rows(rows, source, tok)
     assert picked.column_names == ["prompt", "chosen", "rejected"] and picked[0]["chosen"] == "yes"
-    with pytest.raises(DataError, match="has no 'good' field .*Set dataset.chosenField"):
+    with pytest.raises(DataError, match=r"has no 'good' field .*Set dataset\.chosenField"):
         dpo.preference_rows(Dataset.from_list([{"prompt": "q", "chosen": "a", "bad": "b"}]), source, tok)
     mixed = Dataset.from_list(
         [
