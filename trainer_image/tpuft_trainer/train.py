@@ -151,6 +151,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     training = config.training
     preference = training.objective == "dpo"
     if training.method == "lora" and not preference:  # (trl's DPOTrainer adds the adapter itself)
+        from peft import get_peft_model
+
         model = get_peft_model(model, _lora_config(config))
     global_batch = training.per_device_batch_size * shape.batch_ways
     if preference:
@@ -330,12 +332,6 @@ def _throughput(
         seconds = step_times[-1] - step_times[0]
         record.tokens_per_second = round(sum(counter.positions[1:]) / seconds, 1)
     record.flops_per_token = flops
-
-
-def get_peft_model(model: Any, lora: Any) -> Any:
-    import peft
-
-    return peft.get_peft_model(model, lora)
 
 
 def _lora_config(config: TrainerConfig) -> Any:
