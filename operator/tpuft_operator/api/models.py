@@ -337,7 +337,13 @@ class TrainingSpec(_Spec):
     )
     learning_rate: float = Field(default=2e-5, gt=0, le=1, description="Peak learning rate.")
     per_device_batch_size: int = Field(
-        default=8, ge=1, le=4096, description="Sequences per chip per step (global batch = this x chips)."
+        default=8,
+        ge=1,
+        le=4096,
+        description=(
+            "Sequences per chip per step (global batch = this x chips); with objective `dpo`, preference "
+            "pairs (two sequences each)."
+        ),
     )
     max_seq_length: int = Field(
         default=1024, ge=8, le=1_048_576, description="Tokens per sequence (padded or packed to this length)."
