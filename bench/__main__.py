@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from bench import goodput, operator, recipes, trainer
+from bench import dpo, goodput, operator, recipes, trainer
 
 TARGET_RATIO_N, TARGET_RATIO = 300, 2.0
 TARGET_WRITES_TO_RUNNING = 3
@@ -172,6 +172,9 @@ def report() -> None:
     if recipes.RESULTS.exists():
         print()
         print("\n".join(recipes.report(json.loads(recipes.RESULTS.read_text()))))
+    if dpo.RESULTS.exists():
+        print()
+        print("\n".join(dpo.report(json.loads(dpo.RESULTS.read_text()))))
     if goodput.RESULTS.exists():
         results = json.loads(goodput.RESULTS.read_text())
         print()

@@ -136,6 +136,9 @@ def main() -> None:
     from bench import recipes  # the recipes' targets: packing's gain, tpuft train's overhead
 
     recipes.main()
+    from bench import dpo  # preference tuning: DPO's loss, margin, step time and compiles against SFT's
+
+    dpo.main()
 
 
 if __name__ == "__main__":

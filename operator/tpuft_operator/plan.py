@@ -16,6 +16,12 @@ The estimate, per chip, for a decoder-only transformer trained with FSDPv2 (PyTo
   layer's input (h values per token) is kept, and one layer at a time is recomputed;
 - logits: vocab values per token in the model dtype plus the float32 copy the loss is computed in.
 
+With objective `dpo` every pair is two sequences (prompt + chosen, prompt + rejected), so the batch's
+activations double; the reference model adds a frozen copy of the weights, sharded like them, for
+method `full` (with `lora` the reference is the base with the adapter disabled: nothing more); its
+forward runs without gradients, so it keeps no activations. trl's fused LM head computes the
+log-probabilities in tiles of positions, never the whole logits: the logits line is one tile's.
+
 Not counted (hence a 10% headroom): XLA's temporary buffers and fragmentation, the runtime itself,
 tensor-parallel sharding of activations (which would only lower the estimate). The numbers are an
 estimate to choose a shape with; the trainer exits with OUT_OF_MEMORY (78) if reality disagrees.
@@ -365,8 +371,21 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
             MemoryLine("optimizer", factored * 4 / shard, "adafactor: a row + a column vector per matrix")
         )
 
+    dpo = training.objective == "dpo"
+    if dpo and training.method == "full":
+        lines.append(
+            MemoryLine(
+                "reference",
+                model.params * w / shard,
+                f"dpo: a frozen copy, {_count(model.params)} x {w} B / {shard}, sharded like the weights",
+            )
+        )
+    elif dpo:
+        notes.append("dpo with lora: the reference is the base model with the adapter disabled (no copy)")
+
     b, s = training.per_device_batch_size, training.max_seq_length
-    tokens = b * s
+    rows = 2 * b if dpo else b  # a preference pair is two sequences
+    tokens = rows * s
     mlp = (4 if model.gated_mlp else 2) * model.intermediate_size
     per_token_layer = (7 * model.hidden_size + 2 * model.kv_width + mlp) * w
     scores = 2 * model.num_heads * s * w  # scores + probabilities, per token, eager attention
@@ -377,17 +396,33 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
     else:
         activations = model.num_layers * one_layer
         how = f"no checkpointing: all {model.num_layers} layers kept"
-    lines.append(MemoryLine("activations", activations, f"{b} x {s} tokens per chip; {how}"))
-    lines.append(
-        MemoryLine(
-            "logits", tokens * model.vocab_size * (w + 4), f"{model.vocab_size} vocab, + float32 for the loss"
+    per_chip = f"{b} pairs = {rows} x {s} tokens per chip" if dpo else f"{b} x {s} tokens per chip"
+    lines.append(MemoryLine("activations", activations, f"{per_chip}; {how}"))
+    if dpo:
+        tile = min(tokens, DPO_LOGPROB_TILE)
+        lines.append(
+            MemoryLine(
+                "logits",
+                tile * model.vocab_size * (w + 4),
+                f"{model.vocab_size} vocab x a tile of {tile} positions (trl's fused LM head), + float32",
+            )
         )
-    )
+    else:
+        lines.append(
+            MemoryLine(
+                "logits",
+                tokens * model.vocab_size * (w + 4),
+                f"{model.vocab_size} vocab, + float32 for the loss",
+            )
+        )
 
     batch_chips = shape.chips // tensor  # the batch splits over every axis but tensor
+    flops = model.flops_per_token(s, full=training.method == "full")
+    if dpo:  # the reference's forward: 2 per weight + a third of the attention term
+        flops += 2 * model.active_matmul_params + 4 * model.num_layers * model.hidden_size * s
     return Plan(
-        global_batch=b * batch_chips * training.gradient_accumulation_steps,
-        flops_per_token=model.flops_per_token(s, full=training.method == "full"),
+        global_batch=rows * batch_chips * training.gradient_accumulation_steps,
+        flops_per_token=flops,
         seq_len=s,
         name=f"{ft.metadata.namespace}/{ft.metadata.name}",
         shape=shape,
@@ -399,6 +434,10 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
         hbm_bytes=shape.family.hbm_gib_per_chip * GIB,
         notes=notes,
     )
+
+
+# Positions per tile of trl's chunked log-prob LM head (trl 1.16 _CHUNKED_LOGPROB_CHUNK_SIZE).
+DPO_LOGPROB_TILE = 32768
 
 
 def _count(n: float) -> str:

@@ -305,6 +305,55 @@ def compat_needed() -> dict[str, Any]:
         t.train()
         return f"trained with {t.args.optim} ({type(t.optimizer).__name__})"
 
+    def dpo_trainer(steps: int = 1, lora: bool = False, **extra: Any) -> Any:
+        from datasets import Dataset
+        from peft import LoraConfig
+        from trl import DPOConfig, DPOTrainer
+
+        model = tiny.model()
+        return DPOTrainer(
+            model=model,
+            ref_model=None if lora else tiny.model(),
+            args=DPOConfig(
+                output_dir=tempfile.mkdtemp(),
+                max_steps=steps,
+                per_device_train_batch_size=8,
+                report_to=[],
+                bf16=False,
+                max_length=32,
+                pad_to_multiple_of=32,
+                remove_unused_columns=False,
+                **get_fsdp_training_args(model),
+                **extra,
+            ),
+            train_dataset=Dataset.from_list(tiny.preference_pairs()),
+            processing_class=tiny.tokenizer(),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
+        )
+
+    def dpo_compiles_after_warm_up() -> str:
+        import torch_xla.debug.metrics as met
+        from transformers import TrainerCallback
+
+        counts: list[int] = []
+
+        class Count(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                data = met.metric_data("CompileTime")
+                counts.append(int(data[0]) if data else 0)
+
+        t = dpo_trainer(steps=8)
+        t.add_callback(Count())
+        t.train()
+        return f"compiles after warm-up={counts[-1] - counts[3]}"
+
+    attempt("dpo_metrics_fixed_shape", dpo_compiles_after_warm_up)
+    attempt("dpo_lora_reference", lambda: dpo_trainer(lora=True).train())
+    attempt(
+        "xla_training_defaults:dpo",
+        lambda: dpo_trainer(optim="adafactor").train(),
+        patch="xla_training_defaults",
+    )
     attempt("xla_training_defaults", default_optimizer)
     attempt(
         "xla_training_defaults:sft",

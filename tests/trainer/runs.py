@@ -28,6 +28,10 @@ def materials() -> dict[str, Path]:
             _materials["model"] = tiny.save_model_dir(root / "llama")
             _materials["text"] = tiny.write_jsonl(root / "text.jsonl")
             _materials["chat"] = tiny.write_jsonl(root / "chat.jsonl", chat=True)
+            _materials["pairs"] = tiny.write_rows(root / "pairs.jsonl", tiny.preference_pairs())
+            _materials["chat_pairs"] = tiny.write_rows(
+                root / "chat_pairs.jsonl", tiny.preference_pairs(chat=True)
+            )
         return _materials
 
 

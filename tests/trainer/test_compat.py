@@ -31,6 +31,10 @@ EXPECTED = {
     "packed_mask_on_device": "no error: host transfers in a packed forward=1",
     "xla_training_defaults": "RuntimeError: `fused=True` requires all the params to be floating point Tensors",
     "xla_training_defaults:sft": "AttributeError: module 'torch' has no attribute 'xla'",
+    "xla_training_defaults:dpo": "AttributeError: module 'torch' has no attribute 'xla'",
+    # trl's DPO metrics index by the completion mask: new graphs at later steps (with the patch: none)
+    "dpo_metrics_fixed_shape": "no error: compiles after warm-up=",
+    "dpo_lora_reference": "TypeError: 'NoneType' object is not callable",
 }
 
 
@@ -42,7 +46,7 @@ def test_every_patch_is_covered() -> None:
 def test_upstream_breakage_still_present(pool: Pool, name: str) -> None:
     found: dict[str, Any] = pool.get("compat@4").result
     assert found[name].startswith(EXPECTED[name]), f"{name}: {found[name]}"
-    if name in ("reloadable_checkpoint", "gathers_compiled_once"):
+    if name in ("reloadable_checkpoint", "gathers_compiled_once", "dpo_metrics_fixed_shape"):
         assert int(found[name].rsplit("=", 1)[1]) > 0
 
 

@@ -396,3 +396,81 @@ def test_the_request_file_is_found_next_to_the_config_wherever_the_volume_is_mou
     assert TrainerConfig.load(config).stop.request_file == str(tmp_path / "mounted" / "checkpoint-request")
     config.write_text(config.read_text().replace("checkpoint-request", "/abs/request"))
     assert TrainerConfig.load(config).stop.request_file == "/abs/request"
+
+
+def test_dpo_rewards_reach_the_status_the_api_accepts_and_the_log_line() -> None:
+    from types import SimpleNamespace
+
+    from tpuft_operator.api.models import Progress
+    from tpuft_trainer.progress import make_callback
+
+    class Sink:
+        def __init__(self) -> None:
+            self.snapshots: list[Snapshot] = []
+
+        def report(self, snapshot: Snapshot, *, final: bool = False) -> None:
+            self.snapshots.append(snapshot)
+
+    sink = Sink()
+    callback = make_callback([sink], Meter(10, tokens_per_step=64), is_rank_zero=True)
+    logs = {"loss": 0.61, "rewards/accuracies": 0.75, "rewards/margins": 0.125}
+    callback.on_log(None, SimpleNamespace(global_step=3), None, logs=logs)
+    status = sink.snapshots[-1].to_status()
+    assert (status["loss"], status["rewardAccuracy"], status["rewardMargin"]) == (0.61, 0.75, 0.125)
+    Progress.model_validate(status)  # the fields the CRD's status.progress declares
+    assert "reward accuracy 0.75 margin 0.1250" in sink.snapshots[-1].to_line()
+    assert "rewardAccuracy" not in Snapshot(6, 8, 2.5, None, None).to_status()
+
+
+def test_dpo_and_preference_need_each_other_in_the_trainer_config() -> None:
+    from pydantic import ValidationError
+
+    base: dict[str, Any] = {
+        "model": {"name": "m"},
+        "dataset": {"name": "d"},
+        "training": {"max_steps": 1},
+        "output": {"uri": "/o"},
+    }
+    with pytest.raises(ValidationError, match=r"objective dpo needs dataset\.format preference"):
+        TrainerConfig.model_validate({**base, "training": {"max_steps": 1, "objective": "dpo"}})
+    with pytest.raises(ValidationError, match=r"format preference needs training\.objective dpo"):
+        TrainerConfig.model_validate({**base, "dataset": {"name": "d", "format": "preference"}})
+    with pytest.raises(ValidationError, match=r"training\.dpo is set but training\.objective is not dpo"):
+        TrainerConfig.model_validate({**base, "training": {"max_steps": 1, "dpo": {"beta": 0.2}}})
+    ok = TrainerConfig.model_validate(
+        {
+            **base,
+            "dataset": {"name": "d", "format": "preference"},
+            "training": {"max_steps": 1, "objective": "dpo"},
+        }
+    )
+    assert ok.training.dpo_settings.beta == 0.1 and ok.training.dpo_settings.loss_type == "sigmoid"
+
+
+def test_preference_rows_are_checked_and_renamed() -> None:
+    from datasets import Dataset
+
+    from tpuft_trainer import dpo
+    from tpuft_trainer.config import DatasetSource
+
+    tok = tiny.tokenizer()
+    source = DatasetSource(name="pairs", format="preference", chosen_field="good", rejected_field="bad")
+    rows = Dataset.from_list([{"prompt": "q? ", "good": "yes", "bad": "no", "extra": 1}])
+    picked = dpo.preference_rows(rows, source, tok)
+    assert picked.column_names == ["prompt", "chosen", "rejected"] and picked[0]["chosen"] == "yes"
+    with pytest.raises(DataError, match=r"has no 'good' field .*Set dataset\.chosenField"):
+        dpo.preference_rows(Dataset.from_list([{"prompt": "q", "chosen": "a", "bad": "b"}]), source, tok)
+    mixed = Dataset.from_list(
+        [
+            {
+                "prompt": "q? ",
+                "good": [{"role": "assistant", "content": "yes"}],
+                "bad": [{"role": "assistant", "content": "no"}],
+            }
+        ]
+    )
+    with pytest.raises(DataError, match="every prompt, chosen and rejected value must be a string"):
+        dpo.preference_rows(mixed, source, tok)
+    same = DatasetSource(name="pairs", format="preference", chosen_field="prompt", rejected_field="bad")
+    with pytest.raises(DataError, match="three different fields"):
+        dpo.preference_rows(rows, same, tok)

@@ -142,3 +142,27 @@ def long_question_chats(n: int = 64, seed: int = 0, question_words: int = 16) ->
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def preference_pairs(n: int = 64, seed: int = 0, *, chat: bool = False) -> list[dict[str, Any]]:
+    """Made-up preference pairs: a short question, a chosen answer from one half of ANSWERS and a rejected
+    one from the other half (of different lengths), so a policy can learn to prefer the chosen kind."""
+    import random
+
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randrange(3, 6))]
+        chosen = rng.choice(ANSWERS[::2]) + rng.choice(["", " " + rng.choice(WORDS)])
+        prompt, rejected = " ".join(words) + "? ", rng.choice(ANSWERS[1::2])
+        if chat:
+            pairs.append(
+                {
+                    "prompt": [{"role": "user", "content": prompt}],
+                    "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}],
+                }
+            )
+        else:
+            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return pairs

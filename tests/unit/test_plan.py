@@ -230,3 +230,32 @@ def test_cli_invalid_spec_names_the_field(tmp_path: Path) -> None:
     obj["spec"]["tpu"] = {"type": "v5e", "topology": "2x2x2"}
     result = _run(tmp_path, obj)
     assert result.exit_code == 2 and "spec.tpu.topology" in result.output
+
+
+def _dpo(method: str) -> Any:
+    return ft(
+        dataset={"format": "preference"},
+        training={"objective": "dpo", "method": method, "optimizer": "adamw"},
+    )
+
+
+def test_full_dpo_counts_a_sharded_reference_copy_and_two_sequences_per_pair() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    sft = planning.plan(ft(training={"optimizer": "adamw"}), model)
+    dpo = planning.plan(_dpo("full"), model)
+    lines = {line.name: line.bytes for line in dpo.lines}
+    assert lines["reference"] == pytest.approx(lines["parameters"])  # sharded like the policy
+    sft_lines = {line.name: line.bytes for line in sft.lines}
+    assert lines["activations"] == pytest.approx(2 * sft_lines["activations"])  # chosen + rejected
+    assert dpo.global_batch == 2 * sft.global_batch
+    assert dpo.flops_per_token > sft.flops_per_token  # + the reference's forward
+    assert dpo.total_bytes > sft.total_bytes
+    text = planning.format_plan(dpo, _dpo("full"))
+    assert "reference" in text and "sharded like the weights" in text
+
+
+def test_lora_dpo_has_no_reference_copy() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    dpo = planning.plan(_dpo("lora"), model)
+    assert "reference" not in {line.name for line in dpo.lines}
+    assert any("adapter disabled" in note for note in dpo.notes)

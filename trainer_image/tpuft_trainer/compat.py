@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,6 +377,13 @@ def _sft_config_class() -> Any:
     return SFTConfig
 
 
+def _dpo_config_class() -> Any:
+    # DPOConfig too: trl's base config defaults gradient_checkpointing=True.
+    from trl import DPOConfig
+
+    return DPOConfig
+
+
 # ---- 7. packed rows without a host sync --------------------------------------------------------
 def _masking_module() -> Any:
     import transformers.masking_utils
@@ -401,6 +409,81 @@ def _packed_indices_on_device(original: Callable[..., Any]) -> Callable[..., Any
             module.is_tracing = host_check
 
     return find_packed_sequence_indices
+
+
+# ---- 10. DPO's metrics without data-dependent shapes -------------------------------------------
+def _dpo_trainer_module() -> Any:
+    import trl.trainer.dpo_trainer
+
+    return trl.trainer.dpo_trainer
+
+
+def _masked_sum_tensor_class() -> Any:
+    import torch
+
+    class MaskIndexedAsZeros(torch.Tensor):
+        """``x[mask]`` (a boolean mask of x's shape) gives x with zeros outside the mask, in x's shape:
+        the same sum, the only thing trl takes of it, without a shape that depends on the data."""
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if (
+                func is torch.Tensor.__getitem__
+                and len(args) == 2
+                and isinstance(args[1], torch.Tensor)
+                and args[1].dtype == torch.bool
+                and args[1].shape == args[0].shape
+            ):
+                return args[0].as_subclass(torch.Tensor).masked_fill(~args[1], 0)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return MaskIndexedAsZeros
+
+
+def _fixed_shape_dpo_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
+        # trl 1.16 DPOTrainer logs the chosen and rejected completions' mean logits as
+        # ``mean_logits[mask].sum()``: boolean indexing, whose shape is the batch's count of completion
+        # tokens, so XLA compiled new graphs at nearly every step. The fused head already zeroes every
+        # position outside the mask, so the sum without indexing is the same number.
+        original(model, *args, **kwargs)
+        fused = model.forward
+        zeros_outside = _masked_sum_tensor_class()
+
+        @functools.wraps(fused)
+        def forward(self: Any, *f_args: Any, **f_kwargs: Any) -> Any:
+            output = fused(*f_args, **f_kwargs)
+            mean_logits = getattr(output, "mean_logits", None) if f_kwargs.get("fused_lm_head") else None
+            if mean_logits is not None and mean_logits.device.type == "xla":
+                output.mean_logits = mean_logits.as_subclass(zeros_outside)
+            return output
+
+        # A bound method, as trl's: SpmdFullyShardedDataParallel refuses a module whose forward is not.
+        model.forward = types.MethodType(forward, model)
+
+    return add_fused_lm_head
+
+
+# ---- 11. DPO's LoRA reference under FSDPv2 ---------------------------------------------------------
+def _peft_inside_fsdp_v2(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def is_peft_model(model: Any) -> bool:
+        # Under FSDP-XLA the Trainer replaces self.model with the SpmdFullyShardedDataParallel wrapper,
+        # which accelerate's is_peft_model does not look into: trl then takes the reference from
+        # self.ref_model, None with LoRA ("TypeError: 'NoneType' object is not callable"). The wrapper
+        # forwards attribute lookups (disable_adapter, peft_config) to the PeftModel inside.
+        inner = getattr(model, "_orig_module", None) if _is_spmd_fsdp_safe(model) else None
+        return bool(original(inner if inner is not None else model))
+
+    return is_peft_model
+
+
+def _is_spmd_fsdp_safe(model: Any) -> bool:
+    try:
+        return _is_spmd_fsdp(model)
+    except ImportError:
+        return False
 
 
 # ---- 8. our mesh wins over the Trainer's ---------------------------------------------------------
@@ -475,12 +558,36 @@ PATCHES: list[Patch] = [
         _fill_xla_defaults,
     ),
     Patch(
+        "xla_training_defaults",
+        "the same, for trl's DPOConfig (gradient_checkpointing=True by default: AttributeError: module 'torch' "
+        "has no attribute 'xla')",
+        _dpo_config_class,
+        "__init__",
+        _fill_xla_defaults,
+    ),
+    Patch(
         "packed_mask_on_device",
         "every forward of packed rows (position ids, no attention mask) copies a tensor to the host to "
         "decide whether they are packed (masking_utils.find_packed_sequence_indices): a device sync per step",
         _masking_module,
         "find_packed_sequence_indices",
         _packed_indices_on_device,
+    ),
+    Patch(
+        "dpo_metrics_fixed_shape",
+        "trl's DPOTrainer indexes the mean logits by the completion mask to log them: a shape that depends on "
+        "each batch's completion lengths, so XLA compiles new graphs at almost every step",
+        _dpo_trainer_module,
+        "add_fused_lm_head",
+        _fixed_shape_dpo_metrics,
+    ),
+    Patch(
+        "dpo_lora_reference",
+        "TypeError: 'NoneType' object is not callable (trl's DPOTrainer with LoRA under FSDPv2 does not see the "
+        "PeftModel inside the wrapper and calls the absent ref_model)",
+        _dpo_trainer_module,
+        "is_peft_model",
+        _peft_inside_fsdp_v2,
     ),
     Patch(
         "mesh_wins",

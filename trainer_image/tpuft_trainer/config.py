@@ -44,9 +44,14 @@ class ModelSource(_Strict):
 class DatasetSource(_Strict):
     name: str = Field(description="Hub dataset id, gs:// URI, or local file/directory")
     split: str = "train"
-    format: Literal["text", "chat"] = "text"
+    # text/chat: rows to imitate (SFT); preference: a prompt and a chosen and a rejected completion
+    # (DPO), each a string or a list of chat messages (rendered with the chat template).
+    format: Literal["text", "chat", "preference"] = "text"
     text_field: str = "text"
     messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     # Whole documents concatenated into rows of max_seq_length, isolated by position ids (packing.py).
     packing: bool = False
     # Loss on the assistant's turns only (chat.py). None: true for format chat; text has no turns.
@@ -61,6 +66,8 @@ class DatasetSource(_Strict):
             raise ValueError("set at most one of eval_split and eval_fraction")
         if self.assistant_only_loss and self.format != "chat":
             raise ValueError("assistant_only_loss needs format chat (text rows have no assistant turns)")
+        if self.packing and self.format == "preference":
+            raise ValueError("packing needs format text or chat (preference pairs are scored as whole rows)")
         return self
 
     @property
@@ -95,8 +102,25 @@ class LoraConfig(_Strict):
     save_merged: bool = False
 
 
+# trl's DPO losses that are elementwise in the pair's log-ratios: one fixed-shape graph under XLA. Not
+# offered: "sft" (boolean indexing, a data-dependent shape), "aot" (sorts across the batch, so the
+# loss of a pair depends on how the batch is sharded), and those that need more settings.
+DPO_LOSS_TYPES: Final = ("sigmoid", "hinge", "ipo")
+
+
+class DpoConfig(_Strict):
+    """Direct preference optimisation (trl's DPOTrainer): how far the policy may move from the
+    reference (beta) and the loss on the pair's log-ratio margin."""
+
+    beta: float = Field(default=0.1, gt=0, le=10)
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = "sigmoid"
+
+
 class TrainingConfig(_Strict):
     method: Literal["full", "lora"] = "full"
+    # sft: imitate the rows; dpo: prefer the chosen completion over the rejected one (format preference).
+    objective: Literal["sft", "dpo"] = "sft"
+    dpo: DpoConfig | None = None
     max_steps: int | None = Field(default=None, ge=1)
     epochs: float | None = Field(default=None, gt=0)
     learning_rate: float = Field(default=2e-5, gt=0)
@@ -127,7 +151,13 @@ class TrainingConfig(_Strict):
             raise ValueError("one of max_steps or epochs is required")
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set at most one of warmup_steps and warmup_ratio")
+        if self.dpo is not None and self.objective != "dpo":
+            raise ValueError("training.dpo is set but training.objective is not dpo")
         return self
+
+    @property
+    def dpo_settings(self) -> DpoConfig:
+        return self.dpo or DpoConfig()
 
 
 class OutputConfig(_Strict):
@@ -177,6 +207,17 @@ class TrainerConfig(_Strict):
     world: WorldConfig = WorldConfig()
     progress: ProgressConfig = ProgressConfig()
     stop: StopConfig = StopConfig()
+
+    @model_validator(mode="after")
+    def _objective_matches_format(self) -> TrainerConfig:
+        preference = self.dataset.format == "preference"
+        if self.training.objective == "dpo" and not preference:
+            raise ValueError(
+                "training.objective dpo needs dataset.format preference (prompt, chosen, rejected)"
+            )
+        if preference and self.training.objective != "dpo":
+            raise ValueError("dataset.format preference needs training.objective dpo")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)

@@ -33,6 +33,9 @@ class Snapshot:
     tokens_per_second: float | None
     eta_seconds: float | None
     eval_loss: float | None = None
+    # objective dpo: the share of pairs rewarded right, and the mean reward margin, of the latest step.
+    reward_accuracy: float | None = None
+    reward_margin: float | None = None
     # More status.progress fields, already in the API's camelCase (the attempt and its last save).
     details: Mapping[str, Any] = field(default_factory=dict)
 
@@ -47,6 +50,10 @@ class Snapshot:
             body["tokensPerSecond"] = round(self.tokens_per_second, 1)
         if self.eval_loss is not None and math.isfinite(self.eval_loss):
             body["evalLoss"] = round(self.eval_loss, 6)
+        if self.reward_accuracy is not None and math.isfinite(self.reward_accuracy):
+            body["rewardAccuracy"] = round(self.reward_accuracy, 4)
+        if self.reward_margin is not None and math.isfinite(self.reward_margin):
+            body["rewardMargin"] = round(self.reward_margin, 6)
         percent = 100 * self.step // self.total_steps if self.total_steps else 0
         body["summary"] = f"{self.step}/{self.total_steps} ({percent}%)"
         body["updateTime"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -59,6 +66,8 @@ class Snapshot:
             parts.append(f"loss {self.loss:.4f}")
         if self.eval_loss is not None:
             parts.append(f"eval loss {self.eval_loss:.4f}")
+        if self.reward_accuracy is not None and self.reward_margin is not None:
+            parts.append(f"reward accuracy {self.reward_accuracy:.2f} margin {self.reward_margin:.4f}")
         if self.tokens_per_second is not None:
             parts.append(f"{self.tokens_per_second:,.0f} tokens/s")
         if self.eta_seconds is not None:
@@ -113,6 +122,10 @@ def _weighted_median(samples: Iterable[tuple[int, float]]) -> float:
         if seen >= half:
             return value
     return ordered[-1][1]
+
+
+# trl's DPOTrainer's logged names -> Snapshot fields.
+REWARD_LOGS = {"rewards/accuracies": "reward_accuracy", "rewards/margins": "reward_margin"}
 
 
 class Sink(Protocol):
@@ -231,6 +244,7 @@ def make_callback(
         def __init__(self) -> None:
             self.last_loss: float | None = None
             self.last_eval_loss: float | None = None
+            self.last_rewards: dict[str, float] = {}
             self.ended = False
 
         def on_log(
@@ -238,6 +252,10 @@ def make_callback(
         ) -> None:
             if logs and "loss" in logs:
                 self.last_loss = float(logs["loss"])
+                # trl's DPOTrainer logs these beside its loss (dpo.py)
+                for key, name in REWARD_LOGS.items():
+                    if key in logs:
+                        self.last_rewards[name] = float(logs[key])
                 self._emit(state, final=False)
 
         def on_evaluate(
@@ -256,7 +274,12 @@ def make_callback(
             if not is_rank_zero:
                 return
             snapshot = meter.update(int(state.global_step), self.last_loss, self.last_eval_loss)
-            snapshot = replace(snapshot, details=details())
+            snapshot = replace(
+                snapshot,
+                details=details(),
+                reward_accuracy=self.last_rewards.get("reward_accuracy"),
+                reward_margin=self.last_rewards.get("reward_margin"),
+            )
             logger.info("progress: %s", snapshot.to_line())
             for sink in sinks:
                 try:

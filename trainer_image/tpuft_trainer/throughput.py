@@ -26,13 +26,19 @@ class ModelFlops:
     trainable_matmul_params: int
     layers: int
     hidden_size: int
+    # DPO: a forward of the reference (a frozen copy, or the base without the adapters) per token.
+    reference_forward: bool = False
 
     def per_token(self, seq_len: int) -> float:
         matmuls = 4 * self.frozen_matmul_params + 6 * self.trainable_matmul_params
-        return float(matmuls + 12 * self.layers * self.hidden_size * seq_len)
+        attention = 12 * self.layers * self.hidden_size * seq_len
+        if self.reference_forward:
+            matmuls += 2 * (self.frozen_matmul_params + self.trainable_matmul_params)
+            attention += 4 * self.layers * self.hidden_size * seq_len
+        return float(matmuls + attention)
 
 
-def model_flops(model: Any) -> ModelFlops:
+def model_flops(model: Any, *, reference_forward: bool = False) -> ModelFlops:
     """From a transformers model (or a PEFT model around one), before it is wrapped."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embedding = base.get_input_embeddings()
@@ -48,7 +54,9 @@ def model_flops(model: Any) -> ModelFlops:
         else:
             frozen += param.numel()
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    return ModelFlops(frozen, trainable, int(config.num_hidden_layers), int(config.hidden_size))
+    return ModelFlops(
+        frozen, trainable, int(config.num_hidden_layers), int(config.hidden_size), reference_forward
+    )
 
 
 def mfu(

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpuft_trainer import data, evaluation, fsdp_v2, packing, recipe, storage, throughput
+from tpuft_trainer import data, dpo, evaluation, fsdp_v2, packing, recipe, storage, throughput
 from tpuft_trainer import mesh as mesh_module
 from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, process_start_time
@@ -52,6 +52,8 @@ class RunRecord:
     compiles_after_eval: dict[int, int] = field(default_factory=dict)
     compiles_after_save: dict[int, int] = field(default_factory=dict)
     parameter_sharding: dict[str, str] = field(default_factory=dict)
+    # objective dpo, method full: the frozen reference's parameters (sharded like the policy's).
+    reference_sharding: dict[str, str] = field(default_factory=dict)
     checkpointed_blocks: int = 0
     tensor_parallel_weights: int = 0
     final_step: int = 0
@@ -62,6 +64,10 @@ class RunRecord:
     loss_tokens: int | None = None  # positions that counted in the loss
     loss_token_share: float = 0.0  # of the training rows' positions
     eval_losses: dict[int, float] = field(default_factory=dict)
+    # objective dpo: the share of pairs whose chosen completion the policy rewards more than the
+    # rejected one, and the mean reward margin (beta x the log-ratio difference), per logged step.
+    reward_accuracies: dict[int, float] = field(default_factory=dict)
+    reward_margins: dict[int, float] = field(default_factory=dict)
     learning_rates: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     tokens_per_second: float | None = None  # from the end of the first step (compilation) to the last
@@ -143,21 +149,40 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     if config.dataset.packing and (refusal := packing.packing_refusal(model)):
         raise ConfigError(refusal)
     training = config.training
-    if training.method == "lora":
-        model = _add_lora(model, config)
-    flops = throughput.model_flops(model)
+    preference = training.objective == "dpo"
+    if training.method == "lora" and not preference:  # (trl's DPOTrainer adds the adapter itself)
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config(config))
     global_batch = training.per_device_batch_size * shape.batch_ways
-    dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
+    if preference:
+        dataset, eval_dataset = _preference_datasets(config, tokenizer)
+        reference = dpo.load_reference(config, location)
+    else:
+        dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
+        reference = None
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
         model, config.fsdp.layer_cls_to_wrap, gradient_checkpointing=config.fsdp.gradient_checkpointing
     )
     trainer = _build_trainer(
-        config, model, tokenizer, dataset, eval_dataset, output, global_batch, fsdp_args, is_rank_zero
+        config,
+        model,
+        reference,
+        tokenizer,
+        dataset,
+        eval_dataset,
+        output,
+        global_batch,
+        fsdp_args,
+        is_rank_zero,
     )
+    flops = throughput.model_flops(trainer.model, reference_forward=preference)
+    record.reference_sharding = dpo.reference_sharding(trainer)
     record.rows_per_step = global_batch * training.gradient_accumulation_steps
-    tokens_per_step = record.rows_per_step * training.max_seq_length
+    # A preference pair is two rows of max_seq_length: prompt + chosen, prompt + rejected.
+    tokens_per_step = record.rows_per_step * training.max_seq_length * (2 if preference else 1)
     total_steps = (
         trainer.args.max_steps
         if trainer.args.max_steps > 0
@@ -277,6 +302,24 @@ def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: 
     return dataset, eval_dataset
 
 
+def _preference_datasets(config: TrainerConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """Preference pairs for trl's DPOTrainer (which tokenises them), and evaluation pairs or None."""
+    train_rows, eval_rows = evaluation.split(
+        data.load_rows(config.dataset), config.dataset, config.training.seed
+    )
+    dataset = dpo.preference_rows(train_rows, config.dataset, tokenizer)
+    eval_dataset = (
+        dpo.preference_rows(eval_rows, config.dataset, tokenizer) if eval_rows is not None else None
+    )
+    log.info(
+        "%d preference pairs, each two rows of %d positions%s",
+        len(dataset),
+        config.training.max_seq_length,
+        f"; {len(eval_dataset)} evaluation pairs" if eval_dataset is not None else "",
+    )
+    return dataset, eval_dataset
+
+
 def _throughput(
     record: RunRecord, step_times: list[float], counter: throughput.TokenCounter, flops: float
 ) -> None:
@@ -291,8 +334,8 @@ def _throughput(
     record.flops_per_token = flops
 
 
-def _add_lora(model: Any, config: TrainerConfig) -> Any:
-    from peft import LoraConfig, get_peft_model
+def _lora_config(config: TrainerConfig) -> Any:
+    from peft import LoraConfig
 
     from tpuft_trainer.config import LoraConfig as LoraSettings
 
@@ -304,7 +347,7 @@ def _add_lora(model: Any, config: TrainerConfig) -> Any:
         target_modules=lora.target_modules or "all-linear",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_config)
+    return peft_config
 
 
 def _steps_for_epochs(config: TrainerConfig, dataset: Any, rows_per_step: int) -> int:
@@ -316,6 +359,7 @@ def _steps_for_epochs(config: TrainerConfig, dataset: Any, rows_per_step: int) -
 def _build_trainer(
     config: TrainerConfig,
     model: Any,
+    reference: Any,
     tokenizer: Any,
     dataset: Any,
     eval_dataset: Any,
@@ -327,7 +371,7 @@ def _build_trainer(
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     training = config.training
-    args = TrainingArguments(
+    arguments: dict[str, Any] = dict(
         output_dir=str(output),
         max_steps=training.max_steps or -1,
         num_train_epochs=training.epochs or 1.0,
@@ -346,17 +390,33 @@ def _build_trainer(
         **recipe.training_arguments(training, global_batch=global_batch, evaluates=eval_dataset is not None),
         **fsdp_args,
     )
+    callbacks = [_tensorboard(output / TENSORBOARD_DIR)] if is_rank_zero else []
+    if training.objective == "dpo":
+        # With LoRA trl adds the adapter, and computes the reference with it disabled.
+        lora = _lora_config(config) if training.method == "lora" else None
+        return dpo.build_trainer(
+            config,
+            model,
+            reference,
+            lora,
+            tokenizer,
+            dataset,
+            eval_dataset,
+            arguments,
+            callbacks,
+            global_batch,
+        )
     # Text and chat alike: the rows are tokenised, labelled (assistant-only loss) and packed (position
     # ids) already, so they are stacked as they are. trl's SFTTrainer would rebuild the position ids
     # and add an attention mask (undoing packing), and it reads metrics to the host every step.
     return Trainer(
         model=model,
-        args=args,
+        args=TrainingArguments(**arguments),
         train_dataset=dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=default_data_collator,
-        callbacks=[_tensorboard(output / TENSORBOARD_DIR)] if is_rank_zero else [],
+        callbacks=callbacks,
     )
 
 
@@ -406,6 +466,9 @@ def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], 
                 record.learning_rates[step] = float(logs["learning_rate"])
             if logs and "grad_norm" in logs:
                 record.grad_norms[step] = float(logs["grad_norm"])
+            if logs and dpo.REWARD_ACCURACY in logs and "loss" in logs:
+                record.reward_accuracies[step] = float(logs[dpo.REWARD_ACCURACY])
+                record.reward_margins[step] = float(logs[dpo.REWARD_MARGIN])
 
         def on_evaluate(
             self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any

@@ -182,6 +182,12 @@ def training_rules() -> list[Rule]:
             "reason": "FieldValueForbidden",
         },
         {
+            "rule": "!has(self.dpo) || (has(self.objective) && self.objective == 'dpo')",
+            "message": DPO_SETTINGS_MESSAGE,
+            "fieldPath": ".dpo",
+            "reason": "FieldValueForbidden",
+        },
+        {
             "rule": "!has(self.warmupSteps) || !has(self.warmupRatio)",
             "message": WARMUP_MESSAGE,
             "fieldPath": ".warmupSteps",
@@ -197,6 +203,14 @@ def training_rules() -> list[Rule]:
 
 
 WARMUP_MESSAGE = "set at most one of warmupSteps and warmupRatio"
+DPO_SETTINGS_MESSAGE = "dpo settings apply only with objective: dpo"
+DPO_FORMAT_MESSAGE = (
+    "objective dpo needs dataset.format: preference (a prompt, a chosen and a rejected completion)"
+)
+PREFERENCE_OBJECTIVE_MESSAGE = "format preference needs training.objective: dpo"
+PREFERENCE_PACKING_MESSAGE = (
+    "packing applies only to formats text and chat (preference pairs are scored whole)"
+)
 WARMUP_LENGTH_MESSAGE = "warmupSteps must be fewer than maxSteps (the run would never reach learningRate)"
 EVAL_SOURCE_MESSAGE = "set at most one of evalSplit and evalFraction"
 EVAL_SPLIT_MESSAGE = "evalSplit must differ from split: evaluating on the training rows measures nothing"
@@ -223,6 +237,32 @@ def dataset_rules() -> list[Rule]:
             "message": ASSISTANT_ONLY_MESSAGE,
             "fieldPath": ".assistantOnlyLoss",
             "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "!has(self.packing) || !self.packing || !has(self.format) || self.format != 'preference'",
+            "message": PREFERENCE_PACKING_MESSAGE,
+            "fieldPath": ".packing",
+            "reason": "FieldValueForbidden",
+        },
+    ]
+
+
+def _objective_rules() -> list[Rule]:
+    """objective dpo <=> format preference, each way with the field to change named."""
+    dpo = "(has(self.training.objective) && self.training.objective == 'dpo')"
+    preference = "(has(self.dataset.format) && self.dataset.format == 'preference')"
+    return [
+        {
+            "rule": f"!{dpo} || {preference}",
+            "message": DPO_FORMAT_MESSAGE,
+            "fieldPath": ".dataset.format",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"!{preference} || {dpo}",
+            "message": PREFERENCE_OBJECTIVE_MESSAGE,
+            "fieldPath": ".training.objective",
+            "reason": "FieldValueInvalid",
         },
     ]
 
@@ -313,6 +353,7 @@ def spec_rules() -> list[Rule]:
         _reserved_annotation_rule(),
         _compilation_cache_rule(),
         _eval_steps_rule(),
+        *_objective_rules(),
     ]
     for field, optional in IMMUTABLE_FIELDS.items():
         if optional:

@@ -110,11 +110,14 @@ class DatasetSpec(_Spec):
     split: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
         default="train", description="Dataset split to train on."
     )
-    format: Literal["text", "chat"] = Field(
+    format: Literal["text", "chat", "preference"] = Field(
         default="text",
         description=(
             "`text`: each record has one text field (textField). `chat`: each record has a list of "
-            "{role, content} messages (messagesField), rendered with the model's chat template."
+            "{role, content} messages (messagesField), rendered with the model's chat template. "
+            "`preference` (training.objective `dpo` only): each record has a prompt, a chosen and a "
+            "rejected completion (promptField, chosenField, rejectedField), all strings or all lists of "
+            "{role, content} messages (rendered with the chat template)."
         ),
     )
     text_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
@@ -122,6 +125,15 @@ class DatasetSpec(_Spec):
     )
     messages_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
         default="messages", description="Field holding the messages list, for format `chat`."
+    )
+    prompt_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        default="prompt", description="Field holding the prompt, for format `preference`."
+    )
+    chosen_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        default="chosen", description="Field holding the preferred completion, for format `preference`."
+    )
+    rejected_field: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        default="rejected", description="Field holding the rejected completion, for format `preference`."
     )
     packing: bool = Field(
         default=False,
@@ -277,6 +289,28 @@ class LoraSpec(_Spec):
     )
 
 
+class DpoSpec(_Spec):
+    """Direct preference optimisation settings (objective `dpo`)."""
+
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        le=10,
+        description=(
+            "How strongly the policy is held to the reference model: the DPO temperature. Smaller moves "
+            "further from the reference; trl's default, 0.1, is the common choice."
+        ),
+    )
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
+        default="sigmoid",
+        description=(
+            "`sigmoid`: the DPO loss. `hinge`: the SLiC hinge loss on the margin. `ipo`: IPO's squared "
+            "loss (length-normalised). trl's other losses are not offered: they sort or index the batch "
+            "by data-dependent shapes under XLA, or need more settings."
+        ),
+    )
+
+
 class TrainingSpec(_Spec):
     """Hyperparameters. Set exactly one of maxSteps or epochs."""
 
@@ -287,13 +321,29 @@ class TrainingSpec(_Spec):
     method: Literal["full", "lora"] = Field(
         default="full", description="`full`: train every parameter. `lora`: train low-rank adapters only."
     )
+    objective: Literal["sft", "dpo"] = Field(
+        default="sft",
+        description=(
+            "`sft`: learn to produce the rows (formats `text` and `chat`). `dpo`: direct preference "
+            "optimisation, prefer the chosen completion over the rejected one relative to a frozen "
+            "reference (format `preference`). With method `full` the reference is a second copy of the "
+            "model, sharded like it; with `lora` it is the base model with the adapter disabled."
+        ),
+    )
+    dpo: DpoSpec | None = Field(default=None, description="DPO settings; only with objective `dpo`.")
     max_steps: int | None = Field(default=None, ge=1, le=10_000_000, description="Optimizer steps to run.")
     epochs: float | None = Field(
         default=None, gt=0, le=1000, description="Passes over the dataset (may be fractional)."
     )
     learning_rate: float = Field(default=2e-5, gt=0, le=1, description="Peak learning rate.")
     per_device_batch_size: int = Field(
-        default=8, ge=1, le=4096, description="Sequences per chip per step (global batch = this x chips)."
+        default=8,
+        ge=1,
+        le=4096,
+        description=(
+            "Sequences per chip per step (global batch = this x chips); with objective `dpo`, preference "
+            "pairs (two sequences each)."
+        ),
     )
     max_seq_length: int = Field(
         default=1024, ge=8, le=1_048_576, description="Tokens per sequence (padded or packed to this length)."
@@ -628,6 +678,16 @@ class Progress(_Spec):
     loss: float | None = Field(default=None, description="Latest training loss.")
     tokens_per_second: float | None = Field(default=None, ge=0, description="Training throughput, all chips.")
     eval_loss: float | None = Field(default=None, description="Latest evaluation loss (held-out rows).")
+    reward_accuracy: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Objective dpo: share of the latest step's pairs whose chosen completion is rewarded more.",
+    )
+    reward_margin: float | None = Field(
+        default=None,
+        description="Objective dpo: mean reward margin (chosen - rejected, beta x log-ratios) of the latest step.",
+    )
     eta_seconds: int | None = Field(default=None, ge=0, description="Estimated seconds to completion.")
     update_time: datetime | None = Field(default=None, description="When the trainer last reported.")
     summary: Annotated[str, StringConstraints(max_length=64)] | None = Field(

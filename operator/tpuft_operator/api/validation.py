@@ -20,9 +20,13 @@ from pydantic import ValidationError
 from tpuft_operator.api.cel import (
     ASSISTANT_ONLY_MESSAGE,
     COMPILATION_CACHE_MESSAGE,
+    DPO_FORMAT_MESSAGE,
+    DPO_SETTINGS_MESSAGE,
     EVAL_SOURCE_MESSAGE,
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
+    PREFERENCE_OBJECTIVE_MESSAGE,
+    PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
     RESERVED_ANNOTATIONS,
     WARMUP_LENGTH_MESSAGE,
@@ -272,6 +276,14 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.dataset.evalSplit", EVAL_SPLIT_MESSAGE))
     if dataset.assistant_only_loss and dataset.format != "chat":
         errors.append(FieldError("spec.dataset.assistantOnlyLoss", ASSISTANT_ONLY_MESSAGE))
+    if training.objective == "dpo" and dataset.format != "preference":
+        errors.append(FieldError("spec.dataset.format", DPO_FORMAT_MESSAGE))
+    if dataset.format == "preference" and training.objective != "dpo":
+        errors.append(FieldError("spec.training.objective", PREFERENCE_OBJECTIVE_MESSAGE))
+    if dataset.format == "preference" and dataset.packing:
+        errors.append(FieldError("spec.dataset.packing", PREFERENCE_PACKING_MESSAGE))
+    if training.dpo is not None and training.objective != "dpo":
+        errors.append(FieldError("spec.training.dpo", DPO_SETTINGS_MESSAGE))
     if training.eval_steps is not None and dataset.eval_split is None and dataset.eval_fraction is None:
         errors.append(FieldError("spec.training.evalSteps", EVAL_STEPS_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:

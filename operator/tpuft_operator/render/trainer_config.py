@@ -13,6 +13,7 @@ from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import SliceShape
 from tpuft_trainer.config import (
     DatasetSource,
+    DpoConfig,
     FsdpConfig,
     LoraConfig,
     MeshConfig,
@@ -61,6 +62,9 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             format=spec.dataset.format,
             text_field=spec.dataset.text_field,
             messages_field=spec.dataset.messages_field,
+            prompt_field=spec.dataset.prompt_field,
+            chosen_field=spec.dataset.chosen_field,
+            rejected_field=spec.dataset.rejected_field,
             packing=spec.dataset.packing,
             assistant_only_loss=spec.dataset.assistant_only_loss,
             eval_split=spec.dataset.eval_split,
@@ -74,6 +78,16 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
         ),
         training=TrainingConfig(
             method=training.method,
+            objective=training.objective,
+            # Present exactly when the objective is dpo, resolved (the defaults written out).
+            dpo=(
+                DpoConfig(
+                    beta=training.dpo.beta if training.dpo else DpoConfig().beta,
+                    loss_type=training.dpo.loss_type if training.dpo else DpoConfig().loss_type,
+                )
+                if training.objective == "dpo"
+                else None
+            ),
             max_steps=training.max_steps,
             epochs=training.epochs,
             learning_rate=training.learning_rate,

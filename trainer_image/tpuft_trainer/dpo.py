@@ -1,0 +1,171 @@
+"""Preference tuning (DPO): trl's DPOTrainer on the same FSDPv2 mesh, checkpoints and callbacks as SFT.
+
+- Rows: a prompt, a chosen and a rejected completion (``dataset.promptField`` ... ``rejectedField``),
+  each a string or a list of chat messages. trl tokenises them (chat lists with the chat template) and
+  appends EOS to plain strings.
+- Fixed shapes: every batch is ``2 x global batch`` rows (the chosen then the rejected completions) of
+  exactly ``max_seq_length`` positions: prompt + completion is cut to it (``keep_start``) and padded
+  to a multiple of it, so XLA compiles the same graphs at every step.
+- The reference: with LoRA the base model with the adapters disabled (trl does it; no second copy);
+  with full fine-tuning a frozen copy, wrapped by the same FSDPv2 function as the policy, so it is
+  sharded the same way (``tpuft plan`` counts it). Why not trl's precomputed reference log-probs:
+  they are computed in DPOTrainer's ``__init__``, before the Trainer shards the policy, so every
+  device would hold the whole model and run the whole dataset's reference forwards unsharded; and a
+  restarted run recomputes them (in-memory rows have no cache file).
+- Metrics: trl logs the DPO loss as ``loss`` and ``rewards/accuracies``, ``rewards/margins`` beside it;
+  the run record and ``status.progress`` carry them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tpuft_trainer.config import DatasetSource, TrainerConfig
+from tpuft_trainer.errors import DataError
+
+log = logging.getLogger(__name__)
+
+# The columns trl's DPOTrainer reads, and the API field that names each in the user's rows.
+COLUMNS = {"prompt": "promptField", "chosen": "chosenField", "rejected": "rejectedField"}
+# trl's logged metrics -> the run record's and status.progress's names.
+REWARD_ACCURACY = "rewards/accuracies"
+REWARD_MARGIN = "rewards/margins"
+
+
+def _source_fields(source: DatasetSource) -> dict[str, str]:
+    return {"prompt": source.prompt_field, "chosen": source.chosen_field, "rejected": source.rejected_field}
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return "messages"
+    return type(value).__name__
+
+
+def preference_rows(rows: Any, source: DatasetSource, tokenizer: Any) -> Any:
+    """The rows as trl's ``prompt``/``chosen``/``rejected`` columns, each of one kind (text or chat
+    messages) in every row; a missing or ill-typed field is a DataError naming it."""
+    fields = _source_fields(source)
+    for column, name in fields.items():
+        if name not in rows.column_names:
+            raise DataError(
+                f"dataset {source.name} has no {name!r} field (format preference, the {column}); its fields "
+                f"are {rows.column_names}. Set dataset.{COLUMNS[column]}."
+            )
+    if len(set(fields.values())) < len(fields):
+        raise DataError(
+            f"dataset {source.name}: dataset.promptField, chosenField and rejectedField must name three "
+            f"different fields, not {list(fields.values())}"
+        )
+    picked = rows.select_columns(list(fields.values()))
+    picked = picked.rename_columns({name: column for column, name in fields.items() if name != column})
+    kinds: dict[str, set[str]] = {column: set() for column in fields}
+    for row in picked:
+        for column in fields:
+            kinds[column].add(_kind(row[column]))
+    found = set().union(*kinds.values())
+    if not found <= {"text", "messages"} or len(found) > 1:
+        detail = ", ".join(f"{fields[c]}: {sorted(k)}" for c, k in kinds.items())
+        raise DataError(
+            f"dataset {source.name}: every prompt, chosen and rejected value must be a string, or every one a "
+            f"list of chat messages ({{role, content}}); found {detail}"
+        )
+    if found == {"messages"} and not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"dataset {source.name} has chat messages but the tokenizer has no chat template")
+    return picked
+
+
+def arguments(config: TrainerConfig) -> dict[str, Any]:
+    """DPOConfig's own settings (besides the TrainingArguments the SFT path uses too)."""
+    settings = config.training.dpo_settings
+    length = config.training.max_seq_length
+    return dict(
+        beta=settings.beta,
+        loss_type=[settings.loss_type],
+        # One shape for every batch: prompt + completion cut to max_length, then padded to a multiple
+        # of it (trl pads to the longest row of the batch otherwise: a new graph for each length).
+        max_length=length,
+        pad_to_multiple_of=length,
+        truncation_mode="keep_start",
+        # The reference's log-probs at every step (see the module docstring for why not precomputed).
+        precompute_ref_log_probs=False,
+        # trl defaults to bf16 autocast; the model's dtype (model.dtype) decides, as for SFT.
+        bf16=False,
+        # The Trainer keeps only the model's input columns otherwise; trl picks its own.
+        remove_unused_columns=False,
+    )
+
+
+def load_reference(config: TrainerConfig, location: str) -> Any | None:
+    """The frozen reference for full fine-tuning (None with LoRA: the adapters are disabled instead)."""
+    if config.training.method == "lora":
+        return None
+    from tpuft_trainer import data
+
+    reference = data.load_model(config.model, location)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def shard_reference(trainer: Any) -> None:
+    """Wrap the reference with the Trainer's own FSDPv2 function (the policy's is wrapped in ``train``):
+    the same layer classes, the same parameter sharding over the same mesh."""
+    if getattr(trainer, "ref_model", None) is None:
+        return
+    import transformers.trainer
+
+    trainer.ref_model = transformers.trainer.wrap_model_xla_fsdp(trainer.ref_model, trainer.args, True)
+    trainer.ref_model.eval()
+
+
+def reference_sharding(trainer: Any) -> dict[str, str]:
+    """The sharding spec of every parameter of the frozen reference (empty with LoRA: there is none)."""
+    reference = getattr(trainer, "ref_model", None)
+    if reference is None:
+        return {}
+    import torch_xla
+
+    return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in reference.named_parameters()}
+
+
+def check_rows(trainer: Any, source: DatasetSource, global_batch: int) -> None:
+    """trl drops pairs whose prompt fills max_seq_length; every batch must still be full."""
+    for what, dataset in (("dataset", trainer.train_dataset), ("evaluation set", trainer.eval_dataset)):
+        if dataset is not None and len(dataset) < global_batch:
+            raise DataError(
+                f"{what} {source.name} has {len(dataset)} preference pairs whose prompt fits in "
+                f"training.maxSeqLength, fewer than one global batch ({global_batch}); every batch must be full"
+            )
+
+
+def build_trainer(
+    config: TrainerConfig,
+    model: Any,
+    reference: Any | None,
+    lora: Any | None,
+    tokenizer: Any,
+    dataset: Any,
+    eval_dataset: Any,
+    training_arguments: dict[str, Any],
+    callbacks: list[Any],
+    global_batch: int,
+) -> Any:
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(**training_arguments, **arguments(config))
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        peft_config=lora,
+    )
+    check_rows(trainer, config.dataset, global_batch)
+    shard_reference(trainer)
+    return trainer
