@@ -25,14 +25,13 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
+from tests.e2e.test_operator_lifecycle import events
 from tests.e2e.test_progress import tiny_run
-from tests.e2e.test_stops import Host, complete_checkpoints, pod_logs, step_of
+from tests.e2e.test_stops import Host, complete_checkpoints, host_on_this_machine, pod_logs, step_of
 from tests.support import condition, finetune, get_json, wait_for
 from tpuft_operator import topology
 from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.executor import LocalExecutor
 from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.demo import build_assets
 from tpuft_operator.render.jobset import KUEUE_PRIORITY_CLASS_LABEL as PRIORITY_LABEL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
@@ -181,17 +180,7 @@ def wait_queued(
 
 
 def reasons(cluster: LocalCluster, namespace: str, name: str) -> list[str]:
-    items = get_json(
-        cluster,
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        f"involvedObject.kind=TPUFineTune,involvedObject.name={name}",
-    )["items"]
-    return [
-        e["reason"] for e in sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-    ]
+    return [reason for reason, _ in events(cluster, namespace, name)]
 
 
 def workload_of(cluster: LocalCluster, namespace: str, jobset: str) -> dict[str, Any] | None:
@@ -245,16 +234,9 @@ def test_a_run_naming_a_missing_localqueue_says_so(
 
 @pytest.fixture
 def cpu_host(kueue: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
-    """This machine as a v5e 2x2 host that trains for real (as in test_stops.py)."""
-    root = tmp_path / "work"
-    build_assets(root)
-    kueue.add_nodepool("v5e", "2x2", prefix=unique("kcpu"))
-    executor = LocalExecutor(kueue, namespace, tmp_path / "pods")
-    executor.start()
-    try:
-        yield Host(root, root / "output", tmp_path / "pods", executor)
-    finally:
-        executor.stop()
+    """This machine as a v5e 2x2 host that trains for real, in the cluster that runs Kueue."""
+    with host_on_this_machine(kueue, namespace, tmp_path) as made:
+        yield made
 
 
 def test_a_preempted_training_run_queues_again_and_resumes_from_its_checkpoint(

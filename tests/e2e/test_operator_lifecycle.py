@@ -43,6 +43,7 @@ def events(cluster: LocalCluster, namespace: str, name: str) -> list[tuple[str, 
         "--field-selector",
         f"involvedObject.kind=TPUFineTune,involvedObject.name={name}",
     )["items"]
+    items.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
     return [(e["reason"], e["message"]) for e in items]
 
 

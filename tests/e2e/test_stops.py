@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,17 +72,25 @@ class Host:
     executor: LocalExecutor
 
 
-@pytest.fixture
-def host(local_cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
+@contextmanager
+def host_on_this_machine(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
+    """This machine as a v5e 2x2 host of ``cluster`` that trains for real: a kwok node pool of its
+    own, the demo's model and data, and the local executor running the pods' `tpuft train`."""
     root = tmp_path / "work"
     build_assets(root)
-    local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
-    executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
+    cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
+    executor = LocalExecutor(cluster, namespace, tmp_path / "pods")
     executor.start()
     try:
         yield Host(root, root / "output", tmp_path / "pods", executor)
     finally:
         executor.stop()
+
+
+@pytest.fixture
+def host(local_cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
+    with host_on_this_machine(local_cluster, namespace, tmp_path) as made:
+        yield made
 
 
 def test_suspend_then_resume_continues_from_the_suspend_step(
