@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tpuft_operator.api.admission import validating_policy
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import VOLUME_SOURCES
 from tpuft_operator.render.naming import TRAINER_SERVICE_ACCOUNT
@@ -473,30 +474,6 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
             f"'spec.queueName: ' + {_cel_string(QUEUE_MESSAGE)}",
         ),
     ]
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": ["tpuft.dev"],
-                        "apiVersions": ["*"],
-                        "operations": ["CREATE"],
-                        "resources": ["tpufinetunes"],
-                    }
-                ]
-            },
-            "variables": variables,
-            "validations": validations,
-        },
-    }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": name},
-        "spec": {"policyName": name, "validationActions": ["Deny"]},
-    }
-    return [policy, binding]
+    return validating_policy(
+        name, operation="CREATE", resource="tpufinetunes", variables=variables, validations=validations
+    )

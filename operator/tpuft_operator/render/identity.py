@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tpuft_operator.api.admission import validating_policy
 from tpuft_operator.api.models import TPUFineTune, TPUFineTuneStatus
 from tpuft_operator.render import naming
 from tpuft_operator.render.jobset import common_labels, object_metadata
@@ -115,67 +116,47 @@ def progress_policy(name: str = POLICY_NAME) -> list[Obj]:
     pod_pattern = (
         f"'^' + oldObject.status.jobSetName + '-{naming.REPLICATED_JOB}-[0-9]+-[0-9]+-[a-z0-9]{{5}}$'"
     )
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": ["tpuft.dev"],
-                        "apiVersions": ["*"],
-                        "operations": ["UPDATE"],
-                        "resources": ["tpufinetunes/status"],
-                    }
-                ]
+    return validating_policy(
+        name,
+        operation="UPDATE",
+        resource="tpufinetunes/status",
+        match_conditions=[
+            {
+                "name": "not-the-operator-or-an-administrator",
+                "expression": "!authorizer.group('tpuft.dev').resource('tpufinetunes').subresource('status')"
+                f".namespace(object.metadata.namespace).check('{OPERATE_VERB}').allowed()",
+            }
+        ],
+        variables=[
+            {
+                "name": "pod",
+                "expression": f"'{POD_NAME_EXTRA}' in request.userInfo.extra"
+                f" && size(request.userInfo.extra['{POD_NAME_EXTRA}']) == 1"
+                f" ? request.userInfo.extra['{POD_NAME_EXTRA}'][0] : ''",
             },
-            "matchConditions": [
-                {
-                    "name": "not-the-operator-or-an-administrator",
-                    "expression": "!authorizer.group('tpuft.dev').resource('tpufinetunes').subresource('status')"
-                    f".namespace(object.metadata.namespace).check('{OPERATE_VERB}').allowed()",
-                }
-            ],
-            "variables": [
-                {
-                    "name": "pod",
-                    "expression": f"'{POD_NAME_EXTRA}' in request.userInfo.extra"
-                    f" && size(request.userInfo.extra['{POD_NAME_EXTRA}']) == 1"
-                    f" ? request.userInfo.extra['{POD_NAME_EXTRA}'][0] : ''",
-                },
-                {
-                    "name": "jobSetKnown",
-                    "expression": "has(oldObject.status) && has(oldObject.status.jobSetName)",
-                },
-            ],
-            "validations": [
-                {
-                    "expression": "variables.pod != ''",
-                    "message": "only the operator, administrators and the pods of a run (with their pod-bound token) may "
-                    "write a TPUFineTune's status",
-                    "reason": "Forbidden",
-                },
-                {
-                    "expression": f"variables.jobSetKnown && variables.pod.matches({pod_pattern})",
-                    "messageExpression": "'pod ' + variables.pod + ' does not belong to TPUFineTune ' + "
-                    "object.metadata.name + ': a pod may report progress only for its own run'",
-                    "reason": "Forbidden",
-                },
-                {
-                    "expression": f"variables.jobSetKnown && has(object.status) && {unchanged}",
-                    "message": "a run's pods may write status.progress only; the operator owns the rest "
-                    "of the status",
-                    "reason": "Forbidden",
-                },
-            ],
-        },
-    }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": name},
-        "spec": {"policyName": name, "validationActions": ["Deny"]},
-    }
-    return [policy, binding]
+            {
+                "name": "jobSetKnown",
+                "expression": "has(oldObject.status) && has(oldObject.status.jobSetName)",
+            },
+        ],
+        validations=[
+            {
+                "expression": "variables.pod != ''",
+                "message": "only the operator, administrators and the pods of a run (with their pod-bound token) may "
+                "write a TPUFineTune's status",
+                "reason": "Forbidden",
+            },
+            {
+                "expression": f"variables.jobSetKnown && variables.pod.matches({pod_pattern})",
+                "messageExpression": "'pod ' + variables.pod + ' does not belong to TPUFineTune ' + "
+                "object.metadata.name + ': a pod may report progress only for its own run'",
+                "reason": "Forbidden",
+            },
+            {
+                "expression": f"variables.jobSetKnown && has(object.status) && {unchanged}",
+                "message": "a run's pods may write status.progress only; the operator owns the rest "
+                "of the status",
+                "reason": "Forbidden",
+            },
+        ],
+    )
