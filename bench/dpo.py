@@ -17,13 +17,11 @@ import json
 import math
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.recipes import DEVICES, MODEL, _config, _env
+from bench.recipes import DEVICES, MODEL, _config, run_tpuft_train
 
 RESULTS = Path(__file__).parent / "results" / "dpo.json"
 SEQ_LEN, GLOBAL_ROWS, WARMUP_STEPS, TIMED_STEPS = 128, 16, 4, 16
@@ -64,8 +62,6 @@ def _materials(root: Path) -> Path:
 
 
 def _train(root: Path, name: str, dataset: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
-    import yaml
-
     config = {
         "model": {"name": str(root / "model"), "dtype": "float32"},
         "dataset": dataset,
@@ -78,18 +74,7 @@ def _train(root: Path, name: str, dataset: dict[str, Any], training: dict[str, A
         "output": {"uri": str(root / name)},
         "world": {"chips_per_host": DEVICES},
     }
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("tpuft")), "train", "--config", str(path)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if done.returncode:
-        raise SystemExit(f"tpuft train ({name}) failed:\n{done.stderr[-3000:]}")
-    record = json.loads((root / name / "tpuft-metrics.json").read_text())
+    record = run_tpuft_train(config, root / f"{name}.yaml", timeout=1800)
     compiles = {int(k): v for k, v in record["compiles_after_step"].items()}
     result: dict[str, Any] = {
         "median_step_seconds": round(statistics.median(record["step_seconds"][-TIMED_STEPS:]), 4),

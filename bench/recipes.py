@@ -205,7 +205,6 @@ def hand_loop_worker() -> dict[str, Any]:
 def tpuft_train_run() -> dict[str, Any]:
     """`tpuft train --config` on the same model, rows, batch and mesh."""
     import torch
-    import yaml
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -235,22 +234,30 @@ def tpuft_train_run() -> dict[str, Any]:
         "output": {"uri": str(root / "out")},
         "world": {"chips_per_host": DEVICES},
     }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("tpuft")), "train", "--config", str(root / "config.yaml")],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode:
-        raise SystemExit(f"tpuft train failed:\n{done.stderr[-3000:]}")
-    record = json.loads((root / "out" / "tpuft-metrics.json").read_text())
+    record = run_tpuft_train(config, root / "config.yaml", timeout=900)
     steps = record["step_seconds"][-TIMED_STEPS:]
     return {
         "median_step_seconds": round(statistics.median(steps), 4),
         "losses": list(record["losses"].values()),
     }
+
+
+def run_tpuft_train(config: dict[str, Any], path: Path, *, timeout: float) -> dict[str, Any]:
+    """`tpuft train` on ``config`` (written to ``path``) on this machine's CPU devices; its run record
+    (tpuft-metrics.json at the config's output). A failed run ends the benchmark with its stderr."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("tpuft")), "train", "--config", str(path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode:
+        raise SystemExit(f"tpuft train ({path.name}) failed:\n{done.stderr[-3000:]}")
+    return json.loads((Path(config["output"]["uri"]) / "tpuft-metrics.json").read_text())  # type: ignore[no-any-return]
 
 
 def _env() -> dict[str, str]:
