@@ -14,10 +14,11 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator.handlers import JOBSETS, PODS, Dispatch, build_registry
+from tpuft_operator.handlers import JOBSETS, PODS, build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
+from tpuft_operator.runtime import Runtime
 from tpuft_operator.settings import OperatorSettings
 
 log = logging.getLogger("tpuft.operator")
@@ -137,14 +138,18 @@ def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSetti
 
 
 def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
+    """The runtime (queue, workers, resync) and the Reconciler it feeds, which asks it for deferred
+    reconciles: what the handlers reach through kopf's memo."""
+    runtime = Runtime(workers=settings.workers, resync_seconds=settings.resync_seconds)
     reconciler = Reconciler(
         api=api,
-        status_settle_seconds=settings.status_settle_seconds,
-        goodput_interval_seconds=settings.goodput_interval_seconds,
         render_settings=settings.render_settings(),
         policy=settings.admin_policy(),
+        defer=runtime.defer,
+        status_settle_seconds=settings.status_settle_seconds,
+        goodput_interval_seconds=settings.goodput_interval_seconds,
     )
-    return kopf.Memo(settings=settings, reconciler=reconciler, dispatch=Dispatch())
+    return kopf.Memo(settings=settings, reconciler=reconciler, runtime=runtime)
 
 
 def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,8 @@ from tpuft_operator.api.validation import FieldError, SpecError, parse
 from tpuft_operator.goodput import parse_time
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
-from tpuft_operator.slim import slim_finetune, slim_jobset
+from tpuft_operator.runs import RefusalCheck, Render, RunBook, RunState
+from tpuft_operator.slim import slim_jobset
 from tpuft_operator.status import (
     EARLIER_RESTARTS_ANNOTATION,
     TERMINAL_PHASES,
@@ -40,6 +41,7 @@ Obj = Mapping[str, Any]
 NAMESPACE_IDENTITY_RECHECK = 600.0
 # (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
 EventSink = Callable[[str, str, str], None]
+Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 # Conditions that post a Warning Event (reason = the condition type) when they become True.
 WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow", "ReplicaFailure")
 # A JobSet's pods missing this long after it was created: ask whether the apiserver refused them
@@ -110,175 +112,85 @@ _EVENT_FOR_PHASE = {
 
 
 @dataclass
+class Desired:
+    """What the spec asks for: the objects to create (only when they are needed), the slice's shape, or
+    why it cannot be had (the field and the reason)."""
+
+    rendered: RenderedRun | None = None
+    shape: SliceShape | None = None
+    spec_error: tuple[str, str] | None = None
+
+
+@dataclass
+class Created:
+    """What creating (or adopting) a run's objects came to."""
+
+    jobset: Obj | None = None
+    name_taken: str | None = None  # another's object holds one of the run's names: the run fails
+    error: ApiError | None = None  # retryable: the status says so and the resync retries
+
+
+class NamespaceIdentities:
+    """Each namespace's shared trainer identity (render/identity.py), created once by this process and
+    checked again every NAMESPACE_IDENTITY_RECHECK seconds, so that a deleted one comes back."""
+
+    def __init__(self) -> None:
+        self._checked: dict[str, float] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def ensure(self, api: Api, rendered: RenderedRun, log: logging.Logger) -> None:
+        namespace = str(rendered.jobset["metadata"]["namespace"])
+        with self._guard:
+            lock = self._locks.setdefault(namespace, threading.Lock())
+        # One reconcile per namespace does it; the burst of first runs in a namespace waits for it
+        # instead of racing to create the same three objects (each racer would get 409s).
+        with lock:
+            checked = self._checked.get(namespace)
+            if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
+                return
+            for obj in rendered.namespace_objects:
+                if api.ensure(obj):
+                    log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
+            self._checked[namespace] = time.monotonic()
+
+
+@dataclass
 class Reconciler:
+    """Carries out `decide` for one run at a time, as a short sequence of steps (`_reconcile`)."""
+
     api: Api
     render_settings: RenderSettings
-    log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
+    # What runs may ask for (api/policy.py): checked before anything is created for a run.
+    policy: AdminPolicy = field(default_factory=AdminPolicy)
+    # Asks for another reconcile of a run after a delay: the worker runtime's `defer` (runtime.py).
+    defer: Callable[[tuple[str, str], float], None] = lambda key, delay: None
     # A run's first status waits this long after its JobSet is created (see `_settling`).
     status_settle_seconds: float = 0.0
     # Least report time between two refreshes of a running run's status.goodput (goodput.py).
     goodput_interval_seconds: float = 60.0
-    # Asks for another reconcile of a run after a delay (the handlers' resync loop provides it).
-    defer: Callable[[tuple[str, str], float], None] = lambda key, delay: None
-    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
-    _locks_guard: threading.Lock = field(default_factory=threading.Lock)
-    # The object as our last status patch left it. Events of a run's JobSet and pods carry the
-    # TPUFineTune from the watch cache, which may not have seen that patch yet; deriving from the
-    # older copy would repeat the patch and its event.
-    _written: dict[tuple[str, str], Obj] = field(default_factory=dict)
-    # The JobSet this process created or adopted, by run (with the run's uid), until it is deleted
-    # or the run ends: a reconcile that sees no JobSet in a lagging index must not create it again.
-    _jobsets: dict[tuple[str, str], tuple[str, Obj]] = field(default_factory=dict)
-    # When this process created each run's JobSet, until the run's first status is written.
-    _created_at: dict[tuple[str, str], float] = field(default_factory=dict)
-    # The render of each run by (uid, generation): rendering reads only the name, uid and spec, and
-    # every pod and JobSet event reconciles the run; re-rendering for each cost ~15% of the CPU.
-    # Once the run's JobSet exists only its shape is kept (~1 KB instead of ~18 KB a run); a JobSet
-    # to recreate is rendered again.
-    _renders: dict[tuple[str, str], tuple[str, int, RenderedRun | SliceShape | SpecError]] = field(
-        default_factory=dict
-    )
-    # Namespaces whose shared progress identity this process has made sure of, and when.
-    _namespaces: dict[str, float] = field(default_factory=dict)
-    # What runs may ask for (api/policy.py): checked before anything is created for a run.
-    policy: AdminPolicy = field(default_factory=AdminPolicy)
-    # Runs whose pods are missing: (next check, wait after it, the refusal last found).
-    _refusals: dict[tuple[str, str], tuple[float, float, str | None]] = field(default_factory=dict)
-    # When a deferred reconcile of each run is due (monotonic), so two reasons to look again at
-    # about the same time (status settling, a refusal check) ask for one reconcile, not two.
-    _wakeups: dict[tuple[str, str], float] = field(default_factory=dict)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
+    # Everything this process knows about each run beyond its watches (runs.py).
+    runs: RunBook = field(default_factory=RunBook)
+    identities: NamespaceIdentities = field(default_factory=NamespaceIdentities)
 
-    def _defer(self, key: tuple[str, str], delay: float) -> None:
-        now = time.monotonic()
-        pending = self._wakeups.get(key)
-        if pending is not None and now < pending <= now + delay + 0.25:
-            return  # a reconcile is already due by then
-        self._wakeups[key] = now + delay
-        self.defer(key, delay)
-
-    def _lock(self, key: tuple[str, str]) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault(key, threading.Lock())
-
-    def forget(self, key: tuple[str, str]) -> None:
-        with self._locks_guard:
-            self._locks.pop(key, None)
-            self._written.pop(key, None)
-            self._jobsets.pop(key, None)
-            self._created_at.pop(key, None)
-            self._renders.pop(key, None)
-            self._refusals.pop(key, None)
-            self._wakeups.pop(key, None)
-        metrics.forget_run(key)
-
-    def jobset_deleted(self, key: tuple[str, str]) -> None:
-        """The run's JobSet is gone (its watch says so): stop standing in for it."""
-        with self._locks_guard:
-            self._jobsets.pop(key, None)
-
-    def _render(
-        self, key: tuple[str, str], finetune: Obj, *, full: bool
-    ) -> RenderedRun | SliceShape | SpecError:
-        """The run's render, or only its shape when a cached one will do (``full``: the objects are
-        needed, to create them)."""
+    def forget(self, finetune: Obj) -> None:
+        """The run's TPUFineTune is gone: drop what this process knew of it."""
         meta = finetune["metadata"]
-        uid, generation = str(meta.get("uid")), int(meta.get("generation") or 0)
-        cached = self._renders.get(key)
-        only_shape = cached is not None and isinstance(cached[2], SliceShape)
-        if cached is not None and cached[:2] == (uid, generation) and not (full and only_shape):
-            return cached[2]
-        # The desired state depends on the spec alone; status and server-set metadata stay out.
-        desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
-        result: RenderedRun | SpecError
-        try:
-            result = render_run(desired, self.render_settings)
-        except SpecError as error:
-            result = error
-        self._renders[key] = (uid, generation, result)
-        return result
+        self.runs.drop(str(meta.get("uid")))
+        metrics.forget_run((str(meta["namespace"]), str(meta["name"])))
 
-    def _check_policy(self, finetune: Obj) -> SpecError | None:
-        """The admin policy's verdict on a run about to get its JobSet (api/policy.py), as the
-        admission policy gives it at creation: a run admitted before the policy was tightened keeps
-        running (and is judged again only if its JobSet has to be recreated)."""
-        desired = {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
-        broken = policy_errors(parse(desired), self.policy, self.render_settings.trainer_image)
-        if not broken:
-            return None
-        return SpecError.of([FieldError(path, reason) for path, reason in broken])
+    def forget_all_but(self, uids: Collection[str], *, seen_before: float) -> None:
+        """Drops the state of every run not in ``uids``, the runs the watch held at monotonic time
+        ``seen_before`` (a deletion whose watch event was missed)."""
+        for state in self.runs.retain(uids, seen_before=seen_before):
+            metrics.forget_run(state.key)
 
-    def _keep_only_shape(self, key: tuple[str, str]) -> None:
-        cached = self._renders.get(key)
-        if cached is not None and isinstance(cached[2], RenderedRun):
-            self._renders[key] = (cached[0], cached[1], cached[2].shape)
-
-    def _known_jobset(self, key: tuple[str, str], finetune: Obj, jobset: Obj | None) -> Obj | None:
-        """The indexed JobSet, else the one this process created or adopted for this run.
-
-        Under load kopf's JobSet index lags the API by many seconds (its index functions wait for a
-        worker thread like every handler), so a reconcile can see no JobSet for a run whose JobSet
-        exists. The remembered one stands in until the JobSet's own DELETED event (`jobset_deleted`)
-        or the end of the run: without it, 30-90% of runs were created twice (409) at N >= 300."""
-        if jobset is not None:
-            return jobset
-        remembered = self._jobsets.get(key)
-        if remembered is None or remembered[0] != finetune["metadata"].get("uid"):
-            return None
-        return remembered[1]
-
-    def _adopt_unrecorded(
-        self,
-        key: tuple[str, str],
-        finetune: Obj,
-        jobset: Obj,
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
-    ) -> None:
-        """Says so when this process takes over a JobSet that no status records.
-
-        That is a JobSet an earlier life of the operator created and died (or was killed) before
-        writing the run's status: without this line the log would never mention the JobSet."""
-        if key in self._jobsets or (finetune.get("status") or {}).get("jobSetName"):
-            return
-        self._jobsets[key] = (str(finetune["metadata"].get("uid")), slim_jobset(jobset))
-        log.info("adopted existing JobSet %s", jobset["metadata"]["name"])
-
-    def _ensure_namespace_identity(self, rendered: RenderedRun) -> None:
-        """Creates the namespace's shared trainer identity once (render/identity.py); after that,
-        only every NAMESPACE_IDENTITY_RECHECK seconds, so a deleted one comes back."""
-        namespace = str(rendered.jobset["metadata"]["namespace"])
-        # One reconcile per namespace does it; the burst of first runs in a namespace waits for it
-        # instead of racing to create the same three objects (each racer would get 409s).
-        with self._lock(("", namespace)):
-            checked = self._namespaces.get(namespace)
-            if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
-                return
-            for obj in rendered.namespace_objects:
-                if self.api.ensure(obj):
-                    self.log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
-            self._namespaces[namespace] = time.monotonic()
-
-    def _settling(self, key: tuple[str, str], derived: Mapping[str, Any], current: Obj) -> float:
-        """Seconds to hold back this run's first status after creating its JobSet, else 0.
-
-        Pods usually start within a second or two of their JobSet; writing `Pending` and then
-        `Running` would cost two writes (and two events) where one says the same. Only a plain
-        Pending first status waits; errors and any later change are written at once."""
-        created_at = self._created_at.get(key)
-        if created_at is None or current.get("phase") or derived.get("phase") != "Pending":
-            return 0.0
-        return max(0.0, created_at + self.status_settle_seconds - time.monotonic())
-
-    def _freshest(self, key: tuple[str, str], finetune: Obj) -> Obj:
-        written = self._written.get(key)
-        if written is None or written["metadata"].get("uid") != finetune["metadata"].get("uid"):
-            return finetune
-        try:
-            newer = int(written["metadata"]["resourceVersion"]) > int(finetune["metadata"]["resourceVersion"])
-        except (KeyError, ValueError):
-            return finetune  # resourceVersions are opaque in general; only compare etcd's integers
-        if not newer:
-            self._written.pop(key, None)  # the watch has caught up: no need to keep a copy
-        return written if newer else finetune
+    def jobset_deleted(self, finetune: Obj) -> None:
+        """The run's JobSet is gone (its watch says so): stop standing in for it."""
+        state = self.runs.get(str(finetune["metadata"].get("uid")))
+        if state is not None:
+            state.jobset = None
 
     def reconcile(
         self,
@@ -289,19 +201,19 @@ class Reconciler:
         event: EventSink,
         nodes: Mapping[str, Obj] | None = None,
         workload: Obj | None = None,
-        logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+        logger: Log | None = None,
     ) -> None:
-        """``nodes``: the nodes the run's pods run on, by name (for maintenance signals);
-        ``workload``: Kueue's Workload of the run's JobSet (queueing.py), if any."""
+        """One reconcile of run ``finetune`` from what the watches show of it: its ``jobset`` (None if
+        there is none), its ``pods``, the ``nodes`` they run on by name (for maintenance signals) and
+        Kueue's ``workload`` of its JobSet (queueing.py), if any."""
         log = logger or self.log
-        meta = finetune["metadata"]
-        key = (meta["namespace"], meta["name"])
-        if meta.get("deletionTimestamp"):
+        if finetune["metadata"].get("deletionTimestamp"):
             return  # garbage collection removes what we made; nothing to do
+        run = self.runs.of(finetune)
         started = time.perf_counter()
-        with self._lock(key), metrics.RECONCILE_SECONDS.time():
+        with run.lock, metrics.RECONCILE_SECONDS.time():
             try:
-                self._reconcile(finetune, jobset, pods, nodes or {}, workload, event, log)
+                self._reconcile(run, finetune, jobset, pods, nodes or {}, workload, event, log)
                 metrics.RECONCILES.labels(result="ok").inc()
             except Exception:
                 metrics.RECONCILES.labels(result="error").inc()
@@ -311,128 +223,197 @@ class Reconciler:
 
     def _reconcile(
         self,
+        run: RunState,
         finetune: Obj,
         jobset: Obj | None,
         pods: Sequence[Obj],
         nodes: Mapping[str, Obj],
         workload: Obj | None,
         event: EventSink,
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        log: Log,
     ) -> None:
-        meta = finetune["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        key = (namespace, name)
-        finetune = self._freshest(key, finetune)
-        jobset = self._known_jobset(key, finetune, jobset)
+        finetune = run.freshest(finetune)
+        jobset = self._jobset_of_record(run, finetune, jobset)
+        desired = self._desired(run, finetune, objects_needed=jobset is None)
+        workload = queueing.workload_of([workload], jobset) if workload is not None else None
+        decision = decide(finetune, desired.spec_error is None, jobset, workload)
+        created = Created(jobset=jobset)
+        if decision.create and desired.rendered is not None:
+            created = self._create(run, finetune, desired, decision.recreated, event, log)
+            jobset = created.jobset
+        elif jobset is not None:
+            self._adopt_unrecorded(run, finetune, jobset, log)
+        workload = self._hold_or_release(finetune, workload, decision, log)
+        jobset = self._suspend_or_resume(finetune, jobset, decision, event, log)
+        if jobset is not None:
+            run.keep_only_shape()
+        self._write_status(run, finetune, jobset, pods, nodes, workload, desired, created, event, log)
+        if created.error is not None:
+            raise created.error  # logged by the runtime; the resync retries
+
+    def _jobset_of_record(self, run: RunState, finetune: Obj, jobset: Obj | None) -> Obj | None:
+        """The run's own JobSet: the indexed one, else the one this process created or adopted.
+
+        Under load the JobSet index lags the API by many seconds, so a reconcile can see no JobSet for
+        a run whose JobSet exists: the remembered one stands in until the JobSet's own DELETED event
+        (`jobset_deleted`) or the end of the run. Another run's JobSet under this run's label (a
+        hand-made one, or a label collision of two long names) is never acted on: creating our own
+        then says whose the name is."""
+        jobset = jobset if jobset is not None else run.jobset
         if jobset is not None and controller_uid(jobset) != finetune["metadata"].get("uid"):
-            # Another run's JobSet under this run's label (a hand-made one, or a label collision of
-            # two long names): never act on it. Creating our own then says whose the name is.
-            jobset = None
-        name_taken: str | None = None
-        rendered: RenderedRun | None = None
-        shape: SliceShape | None = None
-        spec_error: tuple[str, str] | None = None
-        result = self._render(key, finetune, full=jobset is None)
-        if jobset is None and not isinstance(result, SpecError):
+            return None
+        return jobset
+
+    def _desired(self, run: RunState, finetune: Obj, *, objects_needed: bool) -> Desired:
+        """The run's render (cached per spec generation; only the shape once its JobSet exists), and
+        the admin policy's verdict when its objects are about to be created."""
+        result = self._render(run, finetune, full=objects_needed)
+        if objects_needed and not isinstance(result, SpecError):
             result = self._check_policy(finetune) or result
         if isinstance(result, SpecError):
-            spec_error = (result.field, result.reason)
-        elif isinstance(result, RenderedRun):
-            rendered, shape = result, result.shape
-        else:
-            shape = result
+            return Desired(spec_error=(result.field, result.reason))
+        if isinstance(result, RenderedRun):
+            return Desired(rendered=result, shape=result.shape)
+        return Desired(shape=result)
 
-        workload = queueing.workload_of([workload], jobset) if workload is not None else None
-        decision = decide(finetune, spec_error is None, jobset, workload)
-        if jobset is not None and not decision.create:
-            self._adopt_unrecorded(key, finetune, jobset, log)
-        creation_error: ApiError | None = None
-        if decision.create and rendered is not None:
-            try:
-                self._ensure_namespace_identity(rendered)
-                restarts_so_far = int((finetune.get("status") or {}).get("restarts") or 0)
-                for rendered_obj in rendered.objects:
-                    obj: Obj = rendered_obj
-                    if obj["kind"] == "JobSet" and decision.recreated:
-                        obj = _with_earlier_restarts(obj, restarts_so_far)
-                    live, created = self.api.create_or_adopt(obj)
-                    if obj["kind"] == "JobSet":
-                        jobset = slim_jobset(live)
-                        self._jobsets[key] = (str(finetune["metadata"].get("uid")), jobset)
-                        if created:
-                            self._created_at[key] = time.monotonic()
-                        if created and decision.recreated:
-                            log.warning(
-                                "JobSet %s was deleted while the run was active; recreated it",
-                                rendered.jobset_name,
-                            )
-                            event(
-                                "Warning",
-                                "JobSetRecreated",
-                                f"JobSet {rendered.jobset_name} was deleted while the run was active; recreated it",
-                            )
-                        elif created:
-                            log.info("created JobSet %s", rendered.jobset_name)
-                            event(
-                                "Normal",
-                                "JobSetCreated",
-                                f"created JobSet {rendered.jobset_name} ({rendered.shape.hosts} TPU hosts, {rendered.shape.chips} chips)",
-                            )
-                        else:
-                            log.info("adopted existing JobSet %s", rendered.jobset_name)
-            except NameTaken as taken:
-                name_taken = str(taken)
-                log.warning(
-                    "cannot create the run's objects: %s; the run fails, the other is left alone", taken
+    def _render(self, run: RunState, finetune: Obj, *, full: bool) -> Render:
+        """The run's render, or only its shape when a cached one will do (``full``: the objects are
+        needed, to create them)."""
+        generation = int(finetune["metadata"].get("generation") or 0)
+        cached = run.render
+        fresh = cached is not None and run.render_generation == generation
+        if fresh and cached is not None and not (full and isinstance(cached, SliceShape)):
+            return cached
+        # The desired state depends on the spec alone; status and server-set metadata stay out.
+        result: Render
+        try:
+            result = render_run(_desired_part(finetune), self.render_settings)
+        except SpecError as error:
+            result = error
+        run.render, run.render_generation = result, generation
+        return result
+
+    def _check_policy(self, finetune: Obj) -> SpecError | None:
+        """The admin policy's verdict on a run about to get its JobSet (api/policy.py), as the
+        admission policy gives it at creation: a run admitted before the policy was tightened keeps
+        running (and is judged again only if its JobSet has to be recreated)."""
+        broken = policy_errors(
+            parse(_desired_part(finetune)), self.policy, self.render_settings.trainer_image
+        )
+        if not broken:
+            return None
+        return SpecError.of([FieldError(path, reason) for path, reason in broken])
+
+    def _create(
+        self, run: RunState, finetune: Obj, desired: Desired, recreated: bool, event: EventSink, log: Log
+    ) -> Created:
+        """Creates (or adopts) the run's objects: the namespace's trainer identity, then the JobSet."""
+        rendered = desired.rendered
+        assert rendered is not None
+        jobset: Obj | None = None
+        try:
+            self.identities.ensure(self.api, rendered, self.log)
+            for rendered_obj in rendered.objects:
+                obj: Obj = rendered_obj
+                if obj["kind"] == "JobSet" and recreated:
+                    restarts_so_far = int((finetune.get("status") or {}).get("restarts") or 0)
+                    obj = _with_earlier_restarts(obj, restarts_so_far)
+                live, created = self.api.create_or_adopt(obj)
+                if obj["kind"] != "JobSet":
+                    continue
+                jobset = run.jobset = slim_jobset(live)
+                if created:
+                    run.created_at = time.monotonic()
+                _say_created(rendered, created=created, recreated=recreated, event=event, log=log)
+        except NameTaken as taken:
+            log.warning("cannot create the run's objects: %s; the run fails, the other is left alone", taken)
+            event("Warning", "NameTaken", f"{taken}; rename this TPUFineTune")
+            return Created(jobset=jobset, name_taken=str(taken))
+        except ApiError as error:
+            if error.status in (400, 422):
+                # The apiserver refused an object rendered from a spec that passed our validation (a
+                # pod rule we do not check): no retry can fix it, so the run fails saying why.
+                log.warning("the spec renders to an object the apiserver refuses: %s", error)
+                desired.rendered, desired.shape = None, None
+                desired.spec_error = (
+                    "spec",
+                    f"the apiserver refused an object rendered from this spec: {error}",
                 )
-                event("Warning", "NameTaken", f"{taken}; rename this TPUFineTune")
-            except ApiError as error:
-                if error.status not in (400, 422):
-                    if not error.retryable:
-                        raise
-                    # Say so in the status (a webhook or the apiserver is down); the caller logs
-                    # it and the resync retries.
-                    creation_error = error
-                else:
-                    # The apiserver refused an object rendered from a spec that passed our validation
-                    # (a pod rule we do not check): no retry can fix it, so the run fails saying why.
-                    log.warning("the spec renders to an object the apiserver refuses: %s", error)
-                    spec_error = ("spec", f"the apiserver refused an object rendered from this spec: {error}")
-                    rendered, shape = None, None
-        if decision.set_workload_active is not None and workload is not None:
-            # First: Kueue must stop admitting it before the JobSet is suspended (or it unsuspends it).
-            self.api.patch_workload_active(
-                namespace, workload["metadata"]["name"], decision.set_workload_active
-            )
-            held = "released" if decision.set_workload_active else "held"
-            log.info("%s Kueue Workload %s (spec.suspend)", held, workload["metadata"]["name"])
-            workload = {
-                **workload,
-                "spec": {**(workload.get("spec") or {}), "active": decision.set_workload_active},
-            }
-        if decision.set_suspend is not None and jobset is not None:
-            self.api.patch_jobset_suspend(namespace, jobset["metadata"]["name"], decision.set_suspend)
-            verb = "suspended" if decision.set_suspend else "resumed"
-            log.info("%s JobSet %s", verb, jobset["metadata"]["name"])
-            event(
-                "Normal",
-                verb.capitalize(),
-                f"{verb} JobSet {jobset['metadata']['name']} (spec.suspend={str(decision.set_suspend).lower()})",
-            )
-            jobset = {**jobset, "spec": {**(jobset.get("spec") or {}), "suspend": decision.set_suspend}}
+                return Created(jobset=jobset)
+            if not error.retryable:
+                raise
+            # Said in the status (a webhook or the apiserver is down); logged, and the resync retries.
+            return Created(jobset=jobset, error=error)
+        return Created(jobset=jobset)
 
-        if jobset is not None:
-            self._keep_only_shape(key)
-        refused = self._pods_refused(key, finetune, jobset, pods, shape, log)
+    def _adopt_unrecorded(self, run: RunState, finetune: Obj, jobset: Obj, log: Log) -> None:
+        """Says so when this process takes over a JobSet that no status records.
+
+        That is a JobSet an earlier life of the operator created and died (or was killed) before
+        writing the run's status: without this line the log would never mention the JobSet."""
+        if run.jobset is not None or (finetune.get("status") or {}).get("jobSetName"):
+            return
+        run.jobset = slim_jobset(jobset)
+        log.info("adopted existing JobSet %s", jobset["metadata"]["name"])
+
+    def _hold_or_release(
+        self, finetune: Obj, workload: Obj | None, decision: Decision, log: Log
+    ) -> Obj | None:
+        """A queued run's spec.suspend, carried out on its Kueue Workload (spec.active)."""
+        if decision.set_workload_active is None or workload is None:
+            return workload
+        # First: Kueue must stop admitting it before the JobSet is suspended (or it unsuspends it).
+        name = workload["metadata"]["name"]
+        self.api.patch_workload_active(finetune["metadata"]["namespace"], name, decision.set_workload_active)
+        log.info(
+            "%s Kueue Workload %s (spec.suspend)",
+            "released" if decision.set_workload_active else "held",
+            name,
+        )
+        return {**workload, "spec": {**(workload.get("spec") or {}), "active": decision.set_workload_active}}
+
+    def _suspend_or_resume(
+        self, finetune: Obj, jobset: Obj | None, decision: Decision, event: EventSink, log: Log
+    ) -> Obj | None:
+        if decision.set_suspend is None or jobset is None:
+            return jobset
+        name = jobset["metadata"]["name"]
+        self.api.patch_jobset_suspend(finetune["metadata"]["namespace"], name, decision.set_suspend)
+        verb = "suspended" if decision.set_suspend else "resumed"
+        log.info("%s JobSet %s", verb, name)
+        event(
+            "Normal",
+            verb.capitalize(),
+            f"{verb} JobSet {name} (spec.suspend={str(decision.set_suspend).lower()})",
+        )
+        return {**jobset, "spec": {**(jobset.get("spec") or {}), "suspend": decision.set_suspend}}
+
+    def _write_status(
+        self,
+        run: RunState,
+        finetune: Obj,
+        jobset: Obj | None,
+        pods: Sequence[Obj],
+        nodes: Mapping[str, Obj],
+        workload: Obj | None,
+        desired: Desired,
+        created: Created,
+        event: EventSink,
+        log: Log,
+    ) -> None:
+        """Derives the status from what was observed and done, patches it when it differs (unless the
+        first status is settling), posts the Events of its transitions, and asks a checkpoint of the
+        pods on a node that announces maintenance."""
+        shape = desired.shape
         derived = derive_status(
             Observed(
                 finetune=finetune,
                 jobset=jobset,
                 pods=pods,
-                spec_error=spec_error,
-                creation_error=str(creation_error) if creation_error else None,
-                name_taken=name_taken,
-                pods_refused=refused,
+                spec_error=desired.spec_error,
+                creation_error=str(created.error) if created.error else None,
+                name_taken=created.name_taken,
+                pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log),
                 workload=workload,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
@@ -442,39 +423,48 @@ class Reconciler:
                 goodput_interval=self.goodput_interval_seconds,
             )
         )
-        metrics.observe_phase((namespace, name), derived["phase"])
-        metrics.observe_goodput((namespace, name), (derived.get("goodput") or {}).get("ratio"))
+        metrics.observe_phase(run.key, derived["phase"])
+        metrics.observe_goodput(run.key, (derived.get("goodput") or {}).get("ratio"))
         if derived["phase"] not in TERMINAL_PHASES:
             self._request_checkpoints(finetune, current_pods(pods, jobset), nodes, log)
         current: Obj = finetune.get("status") or {}
         patch = status_patch(current, derived)
-        settle = self._settling(key, derived, current) if patch is not None else 0.0
+        settle = self._settling(run, derived, current) if patch is not None else 0.0
         if settle > 0:
-            self._defer(key, settle)  # the next reconcile writes whatever is true by then
+            self._defer(run, settle)  # the next reconcile writes whatever is true by then
         elif patch is not None:
             max_restarts = (finetune.get("spec") or {}).get("maxRestarts")
             restart = self._announce_restart(current, derived, patch, log, max_restarts=max_restarts)
-            # Kept until the watch catches up, reduced as the index reduces it (memory).
-            self._written[key] = slim_finetune(self.api.patch_finetune_status(namespace, name, patch))
-            self._created_at.pop(key, None)
+            namespace, name = run.key
+            run.status_written(self.api.patch_finetune_status(namespace, name, patch))
             self._post_transition_events(current, derived, patch, event, log)
             if restart is not None:
                 event(restart[0], "JobSetRestarted", restart[1])
         if derived["phase"] in TERMINAL_PHASES:
-            # Nothing is created for a finished run again.
-            self._renders.pop(key, None)
-            self._jobsets.pop(key, None)
-        if creation_error is not None:
-            raise creation_error  # logged by the handler; the resync retries
+            run.finished()
+
+    def _defer(self, run: RunState, delay: float) -> None:
+        if run.wants_wakeup(delay):
+            self.defer(run.key, delay)
+
+    def _settling(self, run: RunState, derived: Mapping[str, Any], current: Obj) -> float:
+        """Seconds to hold back this run's first status after creating its JobSet, else 0.
+
+        Pods usually start within a second or two of their JobSet; writing `Pending` and then
+        `Running` would cost two writes (and two events) where one says the same. Only a plain
+        Pending first status waits; errors and any later change are written at once."""
+        if run.created_at is None or current.get("phase") or derived.get("phase") != "Pending":
+            return 0.0
+        return max(0.0, run.created_at + self.status_settle_seconds - time.monotonic())
 
     def _pods_refused(
         self,
-        key: tuple[str, str],
+        run: RunState,
         finetune: Obj,
         jobset: Obj | None,
         pods: Sequence[Obj],
         shape: SliceShape | None,
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        log: Log,
     ) -> str | None:
         """The apiserver's words for the run's pods it refused, while some are missing, else None.
 
@@ -492,16 +482,18 @@ class Reconciler:
             and len(current_pods(pods, jobset)) < shape.hosts
         )
         if not missing or jobset is None:
-            self._refusals.pop(key, None)
+            run.refusal = None
             return None
         now = time.monotonic()
         created = parse_time((jobset.get("metadata") or {}).get("creationTimestamp"))
         age = time.time() - created.timestamp() if created is not None else 0.0
-        due, wait, found = self._refusals.get(key, (now + max(0.0, REFUSAL_CHECK_AFTER - age), 0.0, None))
-        if now < due:
-            self._refusals[key] = (due, wait, found)
-            self._defer(key, due - now)
-            return found
+        check = run.refusal or RefusalCheck(
+            due=now + max(0.0, REFUSAL_CHECK_AFTER - age), wait=0.0, found=None
+        )
+        if now < check.due:
+            run.refusal = check
+            self._defer(run, check.due - now)
+            return check.found
         prefix = f"{jobset['metadata']['name']}-{naming.REPLICATED_JOB}-"
         try:
             events = self.api.pod_creation_failures(
@@ -521,18 +513,19 @@ class Reconciler:
             if when is None or when.timestamp() >= since - 1:  # not of an earlier JobSet of this name
                 recent.append(event)
         recent.sort(key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
-        found = _refusal_message(recent[-1]) if recent else None
-        wait = min(REFUSAL_CHECK_MAX, max(REFUSAL_CHECK_AFTER, wait * 2))
-        self._refusals[key] = (now + wait, wait, found)
-        self._defer(key, wait)
-        return found
+        wait = min(REFUSAL_CHECK_MAX, max(REFUSAL_CHECK_AFTER, check.wait * 2))
+        run.refusal = RefusalCheck(
+            due=now + wait, wait=wait, found=_refusal_message(recent[-1]) if recent else None
+        )
+        self._defer(run, wait)
+        return run.refusal.found
 
     def _request_checkpoints(
         self,
         finetune: Obj,
         pods: Sequence[Obj],
         nodes: Mapping[str, Obj],
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        log: Log,
     ) -> None:
         """With spec.maintenance `checkpoint`: when a node of the run announces maintenance, every pod
         of the run gets the request (its time) in an annotation its trainer sees (maintenance.py)."""
@@ -557,7 +550,7 @@ class Reconciler:
         derived: Mapping[str, Any],
         patch: Mapping[str, Any],
         event: EventSink,
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        log: Log,
     ) -> None:
         unschedulable = _became_unschedulable(current, derived)
         if patch.get("phase") and patch["phase"] != current.get("phase") and not unschedulable:
@@ -585,7 +578,7 @@ class Reconciler:
         current: Obj,
         derived: Mapping[str, Any],
         patch: Mapping[str, Any],
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        log: Log,
         *,
         max_restarts: int | None = None,
     ) -> tuple[str, str] | None:
@@ -632,6 +625,30 @@ def restart_message(current: Obj, derived: Obj, max_restarts: int | None) -> tup
     return "Warning", f"{head}: {failure}; counted against maxRestarts ({used}){also}"
 
 
+def _desired_part(finetune: Obj) -> dict[str, Any]:
+    """The part of a TPUFineTune its objects are rendered from: status and server-set fields stay out."""
+    return {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune}
+
+
+def _say_created(
+    rendered: RenderedRun, *, created: bool, recreated: bool, event: EventSink, log: Log
+) -> None:
+    name = rendered.jobset_name
+    if created and recreated:
+        log.warning("JobSet %s was deleted while the run was active; recreated it", name)
+        event(
+            "Warning", "JobSetRecreated", f"JobSet {name} was deleted while the run was active; recreated it"
+        )
+    elif created:
+        log.info("created JobSet %s", name)
+        shape = rendered.shape
+        event(
+            "Normal", "JobSetCreated", f"created JobSet {name} ({shape.hosts} TPU hosts, {shape.chips} chips)"
+        )
+    else:
+        log.info("adopted existing JobSet %s", name)
+
+
 def _with_earlier_restarts(jobset: Obj, restarts: int) -> Obj:
     """The JobSet to recreate, carrying the run's restarts so far (status.EARLIER_RESTARTS_ANNOTATION):
     the new JobSet counts from 0, and the run's count must go on from where it was."""
@@ -671,7 +688,7 @@ def _post_queue_events(
     current: Obj,
     derived: Mapping[str, Any],
     event: EventSink,
-    log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    log: Log,
 ) -> None:
     """Kueue's decisions as Events: Admitted when the `Queued` condition turns False (admitted),
     Evicted (Warning, Kueue's reason and message: Preempted by a higher-priority workload, ...)

@@ -207,7 +207,9 @@ def test_the_reconciler_asks_the_pods_and_posts_the_event_once() -> None:
     assert events.posted == ["MaintenanceScheduled"]
     # The pods carry it now (the watch shows the annotation): nothing more is written or posted.
     annotated.clear()
-    written = r._written[KEY]
+    state = r.runs.find(KEY)
+    assert state is not None and state.written is not None
+    written = dict(state.written)
     written["status"] = {**running["status"], **written["status"]}  # what the merge patch left
     pods = [on("p0", "n1", "1733083200"), on("p1", "n1", "1733083200")]
     r.reconcile(written, jobset(), pods, event=events, nodes=nodes)

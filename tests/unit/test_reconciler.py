@@ -86,6 +86,13 @@ def reconciler(api: RecordingApi, settle: float = 0.0) -> tuple[Reconciler, list
     return r, deferred
 
 
+def written(r: Reconciler) -> dict[str, Any]:
+    """The run as the reconciler's last status patch left it (its RunState keeps the answer)."""
+    state = r.runs.find(KEY)
+    assert state is not None and state.written is not None
+    return dict(state.written)
+
+
 def new_run() -> dict[str, Any]:
     body = finetune()
     body["metadata"]["resourceVersion"] = "1"
@@ -160,9 +167,9 @@ def test_once_the_jobset_exists_the_reconciler_keeps_only_what_it_reads() -> Non
     api = RecordingApi()
     r, _ = reconciler(api)
     r.reconcile(new_run(), None, [], event=Events())
-    assert isinstance(r._renders[KEY][2], SliceShape)
-    _, remembered = r._jobsets[KEY]
-    assert set(remembered["spec"]) == {"suspend"}
+    state = r.runs.find(KEY)
+    assert state is not None and isinstance(state.render, SliceShape)
+    assert state.jobset is not None and set(state.jobset["spec"]) == {"suspend"}
 
 
 def test_a_deleted_jobset_is_recreated() -> None:
@@ -171,7 +178,7 @@ def test_a_deleted_jobset_is_recreated() -> None:
     run = new_run()
     r.reconcile(run, None, [], event=Events())
     api.existing.clear()  # someone deleted the JobSet
-    r.jobset_deleted(KEY)
+    r.jobset_deleted(run)
     events = Events()
     r.reconcile(run, None, [], event=events)
     assert [c for c in api.calls if c[1] == "JobSet"] == [("create", "JobSet"), ("create", "JobSet")]
@@ -392,14 +399,14 @@ def test_a_name_another_run_controls_fails_the_run_and_touches_nothing() -> None
     r, _ = reconciler(api)
     events = Events()
     r.reconcile(new_run(), None, [], event=events)
-    status = r._written[KEY]["status"]
+    status = written(r)["status"]
     assert status["phase"] == "Failed"
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "NameTaken" and "belongs to TPUFineTune victim" in failed["message"]
     assert "NameTaken" in events.posted
     # Final: nothing is tried again.
     calls = len(api.calls)
-    r.reconcile(r._written[KEY], None, [], event=events)
+    r.reconcile(written(r), None, [], event=events)
     assert len(api.calls) == calls
 
 

@@ -1,0 +1,290 @@
+"""The worker runtime: from kopf's watch events to reconciles, off the event loop.
+
+kopf runs the watches on one asyncio loop and calls the handlers (handlers.py) for every event;
+each handler hands its event to a `Runtime` method here, which only *marks* the run in the work
+queue (workqueue.py: each run waits once, runs that need their JobSet first) and returns. `workers`
+threads take marked runs and reconcile each from the indexes (`Views`) as they are by then. A resync
+task marks every unfinished run every `resync_seconds` (a missed event or a failed API call heals
+without anyone touching the object) and drops the state of runs the watch no longer holds.
+
+    watch events --> handlers --> Runtime.on_* --> WorkQueue --> worker threads --> Reconciler
+         (kopf, one event loop)        mark          (urgent first)       Views.observe
+
+kopf gives each resource its own shallow copy of the memo and passes its indexes only to handlers,
+so the first handler call lends them (`_lend`); kopf.event() finds kopf's event queue in context
+variables that kopf sets in the tasks processing watch events, so that call lends its context too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import kopf
+
+from tpuft_operator import maintenance, metrics, queueing
+from tpuft_operator.k8s import ApiError, controller_uid
+from tpuft_operator.reconcile import Reconciler
+from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
+from tpuft_operator.render.naming import label_value
+from tpuft_operator.status import is_final
+from tpuft_operator.workqueue import WorkQueue
+
+Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
+K = TypeVar("K")
+# An indexed object, reduced to what the reconcile reads (slim.py).
+Slim = dict[str, Any]
+
+_log = logging.getLogger("tpuft.workers")
+
+
+def _latest(index: kopf.Index[K, Slim], key: K) -> Slim | None:
+    store = index.get(key)
+    return next(iter(store), None) if store else None
+
+
+@dataclass
+class Observation:
+    """What the watches show of one run, as one reconcile reads it."""
+
+    finetune: Slim
+    jobset: Slim | None
+    pods: list[Slim]
+    nodes: dict[str, Slim]  # the nodes its pods run on, by name
+    workload: Mapping[str, Any] | None  # Kueue's Workload of its JobSet
+
+
+@dataclass
+class Views:
+    """kopf's in-memory indexes, keyed by (namespace, the run label's value) except the nodes'."""
+
+    finetunes: kopf.Index[Key, Slim]
+    jobsets: kopf.Index[Key, Slim]
+    pods: kopf.Index[Key, Slim]
+    nodes: kopf.Index[str, Slim] | None = None  # with --watch-nodes
+    workloads: kopf.Index[Key, Slim] | None = None  # Kueue's, by (namespace, JobSet name)
+
+    def finetune(self, key: Key) -> Slim | None:
+        store: list[Slim] = list(self.finetunes.get((key[0], label_value(key[1]))) or [])
+        return next((ft for ft in store if ft["metadata"]["name"] == key[1]), None)
+
+    def jobset_of(self, finetune: Slim) -> Slim | None:
+        """The run's JobSet: the one it controls when two runs' labels collide (a name of 64+
+        characters is indexed by prefix + hash, which another run may take as its name)."""
+        meta = finetune["metadata"]
+        store = list(self.jobsets.get((meta["namespace"], label_value(meta["name"]))) or [])
+        return next(
+            (js for js in store if controller_uid(js) == meta.get("uid")), store[0] if store else None
+        )
+
+    def owners(self, namespace: str, labels: Mapping[str, str]) -> list[Slim]:
+        """The run(s) a child's labels point to: by the uid label when the run label is shared."""
+        store = list(self.finetunes.get((namespace, labels[FINETUNE_LABEL])) or [])
+        uid = labels.get(FINETUNE_UID_LABEL)
+        exact = [ft for ft in store if uid is not None and ft["metadata"].get("uid") == uid]
+        return exact or store
+
+    def observe(self, key: Key) -> Observation | None:
+        """Everything the reconcile of run ``key`` reads; None if the run is gone."""
+        finetune = self.finetune(key)
+        if finetune is None:
+            return None
+        jobset = self.jobset_of(finetune)
+        pods = list(self.pods.get((key[0], label_value(key[1]))) or [])
+        nodes: dict[str, Slim] = {}
+        if self.nodes is not None:
+            for pod in pods:
+                node_name = (pod.get("spec") or {}).get("nodeName")
+                if node_name and (node := _latest(self.nodes, node_name)) is not None:
+                    nodes[node_name] = node
+        workload = None
+        if jobset is not None and self.workloads is not None:
+            candidates = list(self.workloads.get((key[0], jobset["metadata"]["name"])) or [])
+            workload = queueing.workload_of(candidates, jobset)
+        return Observation(finetune, jobset, pods, nodes, workload)
+
+
+class Runtime:
+    """The work queue, the worker threads and the resync loop; one per operator process."""
+
+    def __init__(self, *, workers: int, resync_seconds: float) -> None:
+        self.workers = workers
+        self.resync_seconds = resync_seconds
+        self.queue = WorkQueue()
+        self.views: Views | None = None
+        self.reconciler: Reconciler | None = None
+        # The run of each JobSet, (namespace, JobSet name) -> run name: a Workload names only its JobSet.
+        self._jobset_runs: dict[Key, str] = {}
+        # The maintenance signals last seen per node: only a change marks the runs on it.
+        self._node_signals: dict[str, maintenance.NodeSignals] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kopf_settings: kopf.OperatorSettings | None = None
+        self._context: contextvars.Context | None = None
+        self._resync: asyncio.Task[None] | None = None
+
+    # -- life cycle (kopf's startup and cleanup handlers) --
+
+    def start(self, reconciler: Reconciler, settings: kopf.OperatorSettings) -> None:
+        """Starts the workers and the resync loop; called on the event loop."""
+        self.reconciler = reconciler
+        self._loop = asyncio.get_running_loop()
+        self._kopf_settings = settings
+        metrics.QUEUE_DEPTH.set_function(lambda: len(self.queue))
+        # Daemons: `queue.close()` at cleanup wakes each one to exit, and none holds up a shutdown.
+        for number in range(self.workers):
+            threading.Thread(target=self._work, name=f"tpuft-worker-{number}", daemon=True).start()
+        self._resync = asyncio.create_task(self._resync_forever())
+
+    def stop(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+        self.queue.close()
+
+    # -- watch events, on the event loop: each marks the runs it concerns --
+
+    def on_finetune(self, type_: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
+        views = self._lend(indexes)
+        if type_ == "DELETED":
+            if self.reconciler is not None:
+                self.reconciler.forget(body)
+            return
+        meta = body["metadata"]
+        key = (str(meta["namespace"]), str(meta["name"]))
+        # A run with no JobSet (yet, or any more) goes first: creating it is what the user waits for.
+        urgent = _latest(views.jobsets, (key[0], label_value(key[1]))) is None
+        self.queue.add(key, urgent=urgent)
+
+    def on_jobset(
+        self, type_: str, namespace: str, name: str, labels: Mapping[str, str], indexes: Mapping[str, Any]
+    ) -> None:
+        views = self._lend(indexes)
+        for owner in views.owners(namespace, labels):
+            key = (namespace, str(owner["metadata"]["name"]))
+            if type_ == "DELETED":
+                self._jobset_runs.pop((namespace, name), None)
+                if self.reconciler is not None:
+                    self.reconciler.jobset_deleted(owner)
+            else:
+                self._jobset_runs[(namespace, name)] = key[1]
+            self.queue.add(key, urgent=type_ == "DELETED")  # a deleted JobSet is recreated
+
+    def on_pod(self, namespace: str, labels: Mapping[str, str], indexes: Mapping[str, Any]) -> None:
+        for owner in self._lend(indexes).owners(namespace, labels):
+            self.queue.add((namespace, str(owner["metadata"]["name"])))
+
+    def on_workload(self, namespace: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
+        self._lend(indexes)
+        owner = queueing.workload_owner(body)
+        run = self._jobset_runs.get((namespace, owner[0])) if owner else None
+        if run is not None:
+            self.queue.add((namespace, run))
+
+    def on_node(self, type_: str, name: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
+        """Marks the runs on a node whose maintenance signals changed (not at every heartbeat)."""
+        views = self._lend(indexes)
+        signals = maintenance.node_signals(body) if type_ != "DELETED" else maintenance.NodeSignals(name)
+        if self._node_signals.get(name, maintenance.NodeSignals(name)) == signals:
+            return
+        self._node_signals[name] = signals
+        if type_ == "DELETED":
+            self._node_signals.pop(name, None)
+        for (namespace, label), pods in views.pods.items():
+            if any((pod.get("spec") or {}).get("nodeName") == name for pod in pods):
+                for owner in views.finetunes.get((namespace, label)) or []:
+                    self.queue.add((namespace, str(owner["metadata"]["name"])))
+
+    def defer(self, key: Key, delay: float) -> None:
+        """Marks run ``key`` again in ``delay`` seconds. Safe from any thread (the Reconciler's `defer`)."""
+        loop = self._loop
+        if loop is not None:
+            mark = functools.partial(self.queue.add, key)
+            loop.call_soon_threadsafe(lambda: loop.call_later(delay, mark))
+
+    def _lend(self, indexes: Mapping[str, Any]) -> Views:
+        """The indexes, from a handler's keyword arguments (kopf passes them only to handlers)."""
+        if self.views is None:
+            self.views = Views(indexes["finetunes"], indexes["jobsets"], indexes["pods"])
+            self._context = contextvars.copy_context()
+        if self.views.nodes is None and "nodes" in indexes:
+            self.views.nodes = indexes["nodes"]
+        if self.views.workloads is None and "workloads" in indexes:
+            self.views.workloads = indexes["workloads"]
+        return self.views
+
+    # -- the worker threads and the resync loop --
+
+    def _work(self) -> None:
+        """One worker thread: reconcile marked runs until the queue closes."""
+        while (key := self.queue.get()) is not None:
+            try:
+                # A copy each time: one Context cannot be entered by two threads at once.
+                context = self._context.copy() if self._context else contextvars.Context()
+                context.run(self.reconcile, key)
+            except Exception:  # a bug must not kill the worker; the resync loop retries the run
+                _log.exception("reconcile of %s/%s failed; retrying at the next resync", *key)
+            finally:
+                self.queue.done(key)
+
+    def reconcile(self, key: Key) -> None:
+        """One reconcile of run ``key`` from the latest indexed objects."""
+        if self.views is None or self._kopf_settings is None or self.reconciler is None:
+            return
+        seen = self.views.observe(key)
+        if seen is None:
+            return  # deleted meanwhile
+        finetune = cast(kopf.Body, seen.finetune)
+        logger = kopf.LocalObjectLogger(body=finetune, settings=self._kopf_settings)
+        try:
+            self.reconciler.reconcile(
+                seen.finetune,
+                seen.jobset,
+                seen.pods,
+                event=_event_sink(finetune),
+                nodes=seen.nodes,
+                workload=seen.workload,
+                logger=logger,
+            )
+        except ApiError as error:
+            # Nothing re-queues a failed reconcile at once; the resync loop retries within resync_seconds.
+            metrics.API_ERRORS.labels(status=str(error.status)).inc()
+            if error.retryable:
+                logger.warning("%s; retrying at the next resync", error)
+            else:
+                logger.error("%s; a retry cannot fix this (check the operator's RBAC and the spec)", error)
+
+    async def _resync_forever(self) -> None:
+        """A safety net instead of kopf timers (which would add a finalizer to every run)."""
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            self.resync()
+
+    def resync(self) -> None:
+        """Marks every unfinished run, and drops the state of runs the watch no longer holds."""
+        if self.views is None:
+            return
+        started = time.monotonic()
+        uids = []
+        for index_key in list(self.views.finetunes):
+            for finetune in list(self.views.finetunes.get(index_key) or []):  # two, when labels collide
+                uids.append(str(finetune["metadata"].get("uid")))
+                jobset = self.views.jobset_of(finetune)
+                if is_final(finetune, jobset):
+                    continue  # (a terminal phase written by hand next to a running JobSet is not final)
+                self.queue.add((index_key[0], str(finetune["metadata"]["name"])), urgent=jobset is None)
+        if self.reconciler is not None:
+            self.reconciler.forget_all_but(uids, seen_before=started)
+
+
+def _event_sink(body: kopf.Body) -> Any:
+    # kopf.event needs only apiVersion, kind and metadata (name, namespace, uid): a slim body will do.
+    def post(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+    return post

@@ -1,0 +1,147 @@
+"""The worker runtime (runtime.py) and the per-run state (runs.py), with plain dicts for kopf's indexes.
+
+What matters to users: an event marks exactly the runs it concerns (with JobSet creation first), a
+deleted run leaves no state behind (even when its DELETED event was missed), and a run deleted and
+created again under its name starts from nothing. The real watches are in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tpuft_operator.reconcile import Reconciler
+from tpuft_operator.render import RenderSettings
+from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
+from tpuft_operator.runs import RunBook
+from tpuft_operator.runtime import Runtime, Views
+
+
+def finetune(name: str, uid: str, namespace: str = "ns", **status: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "tpuft.dev/v1alpha1",
+        "kind": "TPUFineTune",
+        "metadata": {"namespace": namespace, "name": name, "uid": uid, "resourceVersion": "1"},
+        "status": status,
+    }
+
+
+def jobset(name: str, owner_uid: str, completed: bool = False) -> dict[str, Any]:
+    conditions = [{"type": "Completed", "status": "True"}] if completed else []
+    return {
+        "metadata": {
+            "namespace": "ns",
+            "name": name,
+            "ownerReferences": [{"kind": "TPUFineTune", "uid": owner_uid, "controller": True}],
+        },
+        "status": {"conditions": conditions},
+    }
+
+
+def indexes(*runs: dict[str, Any], jobsets: dict[Any, list[Any]] | None = None) -> dict[str, Any]:
+    finetunes: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        finetunes.setdefault((run["metadata"]["namespace"], run["metadata"]["name"]), []).append(run)
+    return {"finetunes": finetunes, "jobsets": jobsets or {}, "pods": {}}
+
+
+def drain(runtime: Runtime) -> list[tuple[str, str]]:
+    """The runs marked so far, in the order the workers would take them."""
+    taken = []
+    while len(runtime.queue):
+        key = runtime.queue.get()
+        assert key is not None
+        taken.append(key)
+        runtime.queue.done(key)
+    return taken
+
+
+def test_a_new_run_goes_ahead_of_status_work() -> None:
+    runtime = Runtime(workers=1, resync_seconds=60)
+    running, new = finetune("running", "u-1"), finetune("new", "u-2")
+    kw = indexes(running, new, jobsets={("ns", "running"): [jobset("running", "u-1")]})
+    runtime.on_finetune("MODIFIED", running, kw)
+    runtime.on_finetune("ADDED", new, kw)
+    assert drain(runtime) == [("ns", "new"), ("ns", "running")]
+
+
+def test_a_child_event_marks_only_its_own_run_when_labels_collide() -> None:
+    # Two runs whose label values collide (a long name is indexed by prefix + hash): the uid label decides.
+    runtime = Runtime(workers=1, resync_seconds=60)
+    one, two = finetune("a", "u-1"), finetune("a", "u-2", namespace="ns")
+    two["metadata"]["name"] = "a-twin"
+    kw = {"finetunes": {("ns", "a"): [one, two]}, "jobsets": {}, "pods": {}}
+    runtime.on_pod("ns", {FINETUNE_LABEL: "a", FINETUNE_UID_LABEL: "u-2"}, kw)
+    assert drain(runtime) == [("ns", "a-twin")]
+    runtime.on_pod("ns", {FINETUNE_LABEL: "a"}, kw)  # no uid label (an older pod): both are looked at
+    assert drain(runtime) == [("ns", "a"), ("ns", "a-twin")]
+
+
+def test_a_deleted_jobset_is_urgent_and_forgotten_as_the_run_s_jobset() -> None:
+    reconciler = Reconciler(api=None, render_settings=RenderSettings())  # type: ignore[arg-type]
+    runtime = Runtime(workers=1, resync_seconds=60)
+    runtime.reconciler = reconciler
+    run = finetune("run", "u-1")
+    state = reconciler.runs.of(run)
+    state.jobset = jobset("run", "u-1")
+    runtime.on_jobset("DELETED", "ns", "run", {FINETUNE_LABEL: "run"}, indexes(run))
+    assert state.jobset is None
+    assert runtime.queue.get() == ("ns", "run")
+
+
+def test_the_resync_marks_unfinished_runs_and_drops_the_state_of_runs_that_are_gone() -> None:
+    reconciler = Reconciler(api=None, render_settings=RenderSettings())  # type: ignore[arg-type]
+    runtime = Runtime(workers=1, resync_seconds=60)
+    runtime.reconciler = reconciler
+    done = finetune("done", "u-1", phase="Succeeded")
+    active = finetune("active", "u-2", phase="Running")
+    kw = indexes(
+        done,
+        active,
+        jobsets={
+            ("ns", "done"): [jobset("done", "u-1", completed=True)],
+            ("ns", "active"): [jobset("active", "u-2")],
+        },
+    )
+    runtime.on_finetune("MODIFIED", done, kw)
+    drain(runtime)
+    for run in (done, active, finetune("deleted-while-we-were-down", "u-3")):
+        reconciler.runs.of(run)
+    time.sleep(0.01)
+    runtime.resync()
+    assert drain(runtime) == [("ns", "active")]
+    assert reconciler.runs.get("u-3") is None  # its DELETED event was never seen
+    assert reconciler.runs.get("u-1") is not None and reconciler.runs.get("u-2") is not None
+
+
+def test_a_run_first_seen_during_a_sweep_keeps_its_state() -> None:
+    book = RunBook()
+    started = time.monotonic()
+    book.of(finetune("new", "u-9"))  # created by a worker after the sweep listed the index
+    assert book.retain([], seen_before=started) == []
+    assert book.get("u-9") is not None
+
+
+def test_a_run_created_again_under_its_name_starts_from_nothing() -> None:
+    reconciler = Reconciler(api=None, render_settings=RenderSettings())  # type: ignore[arg-type]
+    first = finetune("run", "u-1")
+    reconciler.runs.of(first).jobset = jobset("run", "u-1")
+    reconciler.forget(first)
+    assert reconciler.runs.of(finetune("run", "u-2")).jobset is None
+    assert len(reconciler.runs) == 1
+
+
+def test_views_observe_a_run_with_its_own_jobset_and_pods() -> None:
+    run = finetune("run", "u-1")
+    theirs, ours = jobset("run", "u-other"), jobset("run", "u-1")
+    pod = {"metadata": {"name": "p"}, "spec": {"nodeName": "n1"}}
+    views = Views(
+        finetunes={("ns", "run"): [run]},  # type: ignore[arg-type]
+        jobsets={("ns", "run"): [theirs, ours]},  # type: ignore[arg-type]
+        pods={("ns", "run"): [pod]},  # type: ignore[arg-type]
+        nodes={"n1": [{"metadata": {"name": "n1"}}]},  # type: ignore[arg-type]
+    )
+    seen = views.observe(("ns", "run"))
+    assert seen is not None
+    assert seen.jobset is ours and seen.pods == [pod] and list(seen.nodes) == ["n1"]
+    assert views.observe(("ns", "gone")) is None
