@@ -24,6 +24,7 @@ RUN pip install --no-cache-dir pip==25.3 \
  && pip install --no-cache-dir -c requirements/constraints.txt -r requirements/operator.txt
 
 COPY pyproject.toml README.md ./
+# Not devtools/: tpuft_dev (the local cluster, the demo) is a development tool, absent here.
 COPY operator/ operator/
 # tpuft_trainer ships with the package (the operator reads its exit-code table); importing it pulls in
 # no torch, and the trainer extra is not installed.

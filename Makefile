@@ -6,7 +6,7 @@ SHELL := /bin/bash
 export TPUFT_CACHE ?= $(HOME)/.cache/tpuft
 # The cached venv is shared by every checkout on the machine and its editable install points at the
 # last one set up; this checkout's own sources come first for everything make runs.
-export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer_image$(if $(PYTHONPATH),:$(PYTHONPATH))
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer_image:$(CURDIR)/devtools$(if $(PYTHONPATH),:$(PYTHONPATH))
 VENV_SCRIPT := scripts/venv.sh
 PY = "$$($(VENV_SCRIPT) | tail -n1)/bin/python"
 TPUFT = "$$($(VENV_SCRIPT) | tail -n1)/bin/tpuft"
@@ -46,7 +46,7 @@ crd: venv
 	@$(TPUFT) crd --write
 
 demo: venv binaries
-	@$(PY) -m tpuft_operator.demo
+	@$(PY) -m tpuft_dev.demo
 
 bench: venv binaries
 	@$(PY) -m bench

@@ -26,15 +26,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tpuft_operator.cluster.executor import LocalExecutor
-from tpuft_operator.cluster.local import ClusterError, LocalCluster
-from tpuft_operator.cluster.operator_process import (
+from tpuft_dev.cluster.executor import LocalExecutor
+from tpuft_dev.cluster.local import ClusterError, LocalCluster
+from tpuft_dev.cluster.operator_process import (
     HOST_PATH_VALUES,
     OperatorProcess,
     install_operator,
     operator_env,
 )
-from tpuft_operator.demo import build_assets, host_run
+from tpuft_dev.demo import build_assets, host_run
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_trainer.storage import COMPLETE
 

@@ -54,8 +54,8 @@ from typing import Any, cast
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import (
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import (
     OPERATOR_NAMESPACE,
     SERVICE_ACCOUNT,
     OperatorProcess,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster.local import LocalCluster
 
 # No per-example deadline: on a shared 2-core machine an example that takes 200 ms one time takes
 # 400 ms the next, and Hypothesis then fails the test as flaky (it did in CI). Speed is for benchmarks.

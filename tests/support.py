@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster.local import LocalCluster
 
 T = TypeVar("T")
 

@@ -1,7 +1,9 @@
 """`tpuft`: one command, with a subcommand per job.
 
 Subcommands are imported only when they run, so `tpuft --help` and the operator never import the
-training stack, and `tpuft train` can say how to install it when it is missing.
+training stack, and `tpuft train` can say how to install it when it is missing. `tpuft cluster` lives
+in the development package tpuft_dev (devtools/), which the operator image does not ship: this table
+is the only place tpuft_operator names it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from tpuft_operator import __version__
 # name -> ("module:attribute", one-line help shown by `tpuft --help`)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cluster": (
-        "tpuft_operator.cluster.cli:cluster",
-        "Run a real local Kubernetes control plane with fake TPU nodes.",
+        "tpuft_dev.cluster.cli:cluster",
+        "Run a real local Kubernetes control plane with fake TPU nodes (development tool).",
     ),
     "crd": ("tpuft_operator.api.cli:crd", "Print the TPUFineTune CRD generated from the API models."),
     "render": (
@@ -60,6 +62,12 @@ def _unavailable(name: str, short_help: str, error: ModuleNotFoundError) -> clic
         hint = (
             "\nThe training core needs the trainer extra: pip install 'tpuft[trainer]' "
             "-c requirements/constraints.txt (or run `make venv`)."
+        )
+    elif name == "cluster" and (error.name or "").partition(".")[0] == "tpuft_dev":
+        hint = (
+            "\n`tpuft cluster` is a development tool (package tpuft_dev, in the repository's devtools/); "
+            "the operator image does not ship it. Run it from a checkout of the tpuft repository "
+            "after `make venv` (or with devtools/ on PYTHONPATH)."
         )
 
     @click.command(name=name, help=short_help, context_settings={"ignore_unknown_options": True})

@@ -25,10 +25,10 @@ import yaml
 from tests.conftest import unique
 from tests.support import wait_for
 from tests.unit.crdcheck import merge
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import ADMIN_POLICY, install_operator
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import SpecError, parse
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import ADMIN_POLICY, install_operator
 from tpuft_operator.render import RenderedRun, render_run
 from tpuft_operator.render.jobset import CONFIG_ANNOTATION
 

@@ -17,9 +17,9 @@ import yaml
 
 from tests.conftest import unique
 from tests.support import finetune, get_json, wait_for
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import OperatorProcess
 from tpuft_operator.api.policy import AdminPolicy, admission_policy, cel_parameters
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import OperatorProcess
 from tpuft_operator.settings import OperatorSettings
 
 pytestmark = pytest.mark.cluster

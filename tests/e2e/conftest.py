@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import (
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import (
     HOST_PATH_VALUES,
     OPERATOR_NAMESPACE,
     SERVICE_ACCOUNT,

@@ -23,8 +23,8 @@ from tests.cluster.test_bad_input import (
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.support import condition, get_json, wait_for
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -14,9 +14,9 @@ import yaml
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.support import get_json, wait_for
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator import topology
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

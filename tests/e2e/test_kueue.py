@@ -29,9 +29,9 @@ from tests.e2e.test_operator_lifecycle import events
 from tests.e2e.test_progress import tiny_run
 from tests.e2e.test_stops import Host, complete_checkpoints, host_on_this_machine, pod_logs, step_of
 from tests.support import condition, finetune, get_json, wait_for
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator import topology
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.render.jobset import KUEUE_PRIORITY_CLASS_LABEL as PRIORITY_LABEL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]

@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import unique
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_SETTINGS, SERVICE_ACCOUNT, OperatorProcess
 from tests.support import condition, finetune, get_json, wait_for
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.render import render_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]

@@ -39,9 +39,9 @@ from tests.e2e.conftest import (
     OperatorProcess,
 )
 from tests.support import condition, finetune, get_json, wait_for
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import ADMIN_POLICY, install_operator, operator_env
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import ADMIN_POLICY, install_operator, operator_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -12,9 +12,9 @@ import pytest
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.support import get_json, patch_status_as, wait_for
-from tpuft_operator.cluster.executor import LocalExecutor
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.demo import build_assets, host_run
+from tpuft_dev.cluster.executor import LocalExecutor
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.demo import build_assets, host_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
 

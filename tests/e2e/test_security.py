@@ -25,8 +25,8 @@ import yaml
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.support import get_json, patch_status_as, wait_for
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.render import RenderSettings, naming, render_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]

@@ -25,9 +25,9 @@ from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.e2e.test_progress import tiny_run
 from tests.support import get_json, wait_for
-from tpuft_operator.cluster.executor import LocalExecutor
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.demo import build_assets
+from tpuft_dev.cluster.executor import LocalExecutor
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.demo import build_assets
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_trainer.storage import COMPLETE
 

@@ -18,8 +18,8 @@ import pytest
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.support import condition, finetune, get_json, patch_status_as, wait_for
-from tpuft_operator.cluster import kwok
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster import kwok
+from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.render import naming
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]

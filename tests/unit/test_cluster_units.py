@@ -10,22 +10,22 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpuft_operator import topology
-from tpuft_operator.cluster import build, kwok, versions
-from tpuft_operator.cluster.components import (
+from tpuft_dev.cluster import build, kwok, versions
+from tpuft_dev.cluster.components import (
     PORT_NAMES,
     Layout,
     jobset_configuration,
     kueue_configuration,
     specs,
 )
-from tpuft_operator.cluster.local import (
+from tpuft_dev.cluster.local import (
     ClusterError,
     ensure_kueue_metrics_cert,
     kueue_crds,
     kueue_webhook_configurations,
     webhook_configurations,
 )
+from tpuft_operator import topology
 
 
 def test_missing_go_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -341,7 +341,7 @@ def test_down_all_removes_every_cluster_under_the_cache(
 ) -> None:
     from click.testing import CliRunner
 
-    from tpuft_operator.cluster.cli import cluster
+    from tpuft_dev.cluster.cli import cluster
 
     for name in ("default", "demo"):
         (tmp_path / "clusters" / name / "logs").mkdir(parents=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpuft_operator.demo import plot_losses
+from tpuft_dev.demo import plot_losses
 
 
 def test_loss_curve_is_a_png_of_both_losses(tmp_path: Path) -> None:

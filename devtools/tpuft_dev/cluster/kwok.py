@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from tpuft_dev.cluster.components import KWOK_NODE_ANNOTATION
 from tpuft_operator import topology
-from tpuft_operator.cluster.components import KWOK_NODE_ANNOTATION
 
 EXIT_CODE_ANNOTATION = "kwok.tpuft.dev/exit-code"
 EXIT_DELAY_ANNOTATION = "kwok.tpuft.dev/exit-delay"

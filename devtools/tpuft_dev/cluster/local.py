@@ -28,9 +28,9 @@ from typing import Any
 import jsonpatch
 import yaml
 
+from tpuft_dev.cluster import build, components, kwok, pki, versions
+from tpuft_dev.cluster.components import Component, Layout
 from tpuft_operator import topology
-from tpuft_operator.cluster import build, components, kwok, pki, versions
-from tpuft_operator.cluster.components import Component, Layout
 
 Log = Callable[[str], None]
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
-from tpuft_operator.cluster.local import LocalCluster
-from tpuft_operator.cluster.operator_process import (
+from tpuft_dev.cluster.executor import LocalExecutor, run_on_host_annotations
+from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import (
     HOST_PATH_VALUES,
     OperatorProcess,
     install_operator,

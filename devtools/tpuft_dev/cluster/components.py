@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpuft_operator.cluster.build import Binaries
-from tpuft_operator.cluster.pki import Pki
+from tpuft_dev.cluster.build import Binaries
+from tpuft_dev.cluster.pki import Pki
 
 # Order matters: each component needs the ones before it.
 COMPONENTS = (

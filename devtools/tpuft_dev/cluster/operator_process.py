@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from tpuft_operator.cluster.local import ClusterError, LocalCluster
+from tpuft_dev.cluster.local import ClusterError, LocalCluster
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "tpuft"

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpuft_operator.cluster import versions
+from tpuft_dev.cluster import versions
 
 Log = Callable[[str], None]
 

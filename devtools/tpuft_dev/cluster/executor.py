@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpuft_operator.cluster.kwok import hold_running
-from tpuft_operator.cluster.local import LocalCluster
+from tpuft_dev.cluster.kwok import hold_running
+from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.topology import TPU_RESOURCE
 
 RUN_ON_HOST_ANNOTATION = "tpuft.dev/run-on-host"

@@ -6,9 +6,9 @@ import sys
 
 import click
 
+from tpuft_dev.cluster import build, versions
+from tpuft_dev.cluster.local import ClusterError, LocalCluster, default_cache
 from tpuft_operator import topology
-from tpuft_operator.cluster import build, versions
-from tpuft_operator.cluster.local import ClusterError, LocalCluster, default_cache
 
 
 def _err(message: str) -> None:
