@@ -1,13 +1,12 @@
 """kopf registrations, and nothing else: each handler hands its event to the worker runtime.
 
-Three watches feed one level-triggered reconcile: the TPUFineTunes, the JobSets and the pods that
-carry the run's label; a fourth, of the TPU nodes (read-only, `--watch-nodes`), marks the runs on a
-node whose maintenance signals change (maintenance.py); a fifth, of Kueue's Workloads, tells a queued
-run why it waits (queueing.py; without Kueue installed kopf starts it if the CRD appears). In-memory
-indexes (kopf.index) hold the latest JobSet and pods of each run, so a reconcile reads no lists from
-the API. Every event handler is async and only marks its run in the runtime's work queue
-(runtime.py), which reconciles on worker threads. No handler stores progress on the object and no
-finalizer is added: deleting a TPUFineTune is never blocked, even with the operator down.
+The runtime (runtime.py) watches the TPUFineTunes, their JobSets and their pods itself, on kopf's
+watch client (watches.py), and kopf calls the handlers here for the rest: its login, the start and
+stop of the runtime, and the two quiet watches with their in-memory indexes: the TPU nodes
+(read-only, `--watch-nodes`: a change of their maintenance signals marks the runs on them,
+maintenance.py) and Kueue's Workloads (a queued run's status says why it waits, queueing.py; kopf
+starts that watch if the CRD appears). Handlers only mark runs; no handler stores progress on the
+object and no finalizer is added: deleting a TPUFineTune is never blocked, even with the operator down.
 """
 
 from __future__ import annotations
@@ -17,19 +16,12 @@ from typing import Any
 import kopf
 
 from tpuft_operator import maintenance, queueing
-from tpuft_operator.render.jobset import FINETUNE_LABEL
-from tpuft_operator.render.naming import label_value
 from tpuft_operator.runtime import Key, Slim
 from tpuft_operator.settings import OperatorSettings
-from tpuft_operator.slim import slim_finetune, slim_jobset, slim_pod
 from tpuft_operator.topology import ACCELERATOR_LABEL
 
-FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
-JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-PODS = ("", "v1", "pods")
 WORKLOADS = queueing.WORKLOADS
 NODES = ("", "v1", "nodes")
-OWNED = {FINETUNE_LABEL: kopf.PRESENT}
 TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
 
 
@@ -45,38 +37,11 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
         # In a pod: the ServiceAccount token; elsewhere: $KUBECONFIG (set from --kubeconfig).
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
+    # The TPUFineTunes, their JobSets and their pods are watched by the runtime itself (watches.py:
+    # kopf's per-object processing capped JobSet creation at ~45 runs a second). kopf keeps the
+    # watches of the nodes and Workloads, a few events an hour, and its indexes of them.
     # The index functions are async so that they run on the event loop at once: sync ones would wait
-    # for a thread of kopf's executor, and the indexes would lag the API by seconds.
-    @kopf.index(*FINETUNES, id="finetunes", registry=registry)
-    async def finetunes(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, Slim]:
-        # Keyed by the label value the children carry (a hash for names longer than 63 characters).
-        return {(str(namespace), label_value(name)): slim_finetune(body)}
-
-    @kopf.index(*JOBSETS, labels=OWNED, id="jobsets", registry=registry)
-    async def jobsets(
-        namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-    ) -> dict[Key, Slim]:
-        return {(str(namespace), labels[FINETUNE_LABEL]): slim_jobset(body)}
-
-    @kopf.index(*PODS, labels=OWNED, id="pods", registry=registry)
-    async def pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Slim]:
-        return {(str(namespace), labels[FINETUNE_LABEL]): slim_pod(body)}
-
-    # The indexes arrive as keyword arguments named after the index functions above.
-    @kopf.on.event(*FINETUNES, registry=registry)
-    async def finetune_event(type: str, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-        memo.runtime.on_finetune(type, body, kw)
-
-    @kopf.on.event(*JOBSETS, labels=OWNED, registry=registry)
-    async def jobset_event(
-        type: str, namespace: str | None, name: str, labels: kopf.Labels, memo: kopf.Memo, **kw: Any
-    ) -> None:
-        memo.runtime.on_jobset(type, str(namespace), name, labels, kw)
-
-    @kopf.on.event(*PODS, labels=OWNED, registry=registry)
-    async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kw: Any) -> None:
-        memo.runtime.on_pod(str(namespace), labels, kw)
-
+    # for a thread of kopf's executor. The indexes arrive as keyword arguments named after them.
     if operator_settings.watch_workloads:
         # Kueue's Workloads (of JobSets): a queued run's status says why it waits, and its admission
         # and eviction become Events. Indexed by the JobSet that owns each.

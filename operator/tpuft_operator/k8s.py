@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import urllib3
@@ -19,6 +21,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("tpuft.k8s")
+# Who the operator's Events say posted them (source.component, reportingComponent).
+EVENT_COMPONENT = "tpuft-operator"
 
 Obj = Mapping[str, Any]
 
@@ -248,6 +252,43 @@ class Api:
                 raise _wrap(error, f"listing the {reason} events of namespace {namespace}") from error
             found += [e for e in items if wanted(str((e.get("involvedObject") or {}).get("name", "")))]
         return found
+
+    def post_event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
+        """Posts a core/v1 Event on ``involved`` (a run). Best effort: an Event that cannot be posted
+        is logged and dropped, never a reason to fail or retry a reconcile."""
+        meta = involved["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"namespace": meta["namespace"], "generateName": f"{meta['name']}."},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"),
+                "kind": involved.get("kind"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": EVENT_COMPONENT},
+            "reportingComponent": EVENT_COMPONENT,
+            "reportingInstance": socket.gethostname(),
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._call("POST", EVENT.path(str(meta["namespace"])), body)
+        except ApiException as error:
+            log.warning(
+                "cannot post the %s Event of %s/%s: %s",
+                reason,
+                meta["namespace"],
+                meta["name"],
+                _wrap(error, "posting an Event"),
+            )
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         """Merge-patches annotations of a pod (the operator's checkpoint requests, maintenance.py).

@@ -14,7 +14,8 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator.handlers import JOBSETS, PODS, build_registry
+from tpuft_operator import watches
+from tpuft_operator.handlers import build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
@@ -90,12 +91,13 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     # keeping its bookkeeping in annotations would show up as drift in GitOps tools.
     kopf_settings.persistence.finalizer = "tpuft.dev/unused-finalizer"
     kopf_settings.persistence.diffbase_storage = NoDiffBase()
-    kopf_settings.execution.max_workers = settings.workers
-    # Server-side filtering: only the pods and JobSets of runs reach the operator. The handlers'
-    # labels= filter is applied by kopf after the fact, so without this every pod event of the whole
-    # cluster would be sent, parsed and queued here.
-    for group, version, plural in (PODS, JOBSETS):
-        kopf_settings.watching.label_selectors[group, version, plural] = FINETUNE_LABEL
+    # Server-side filtering: only the pods and JobSets of runs reach the operator (watches.py; kopf's
+    # watch client reads the selectors from here), not every pod event of the whole cluster.
+    for kind in (watches.PODS, watches.JOBSETS):
+        resource = kind.resource
+        kopf_settings.watching.label_selectors[resource.group, resource.version, resource.plural] = (
+            FINETUNE_LABEL
+        )
     kopf_settings.peering.standalone = True
     if settings.namespaces:
         # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
@@ -140,7 +142,12 @@ def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSetti
 def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
     """The runtime (queue, workers, resync) and the Reconciler it feeds, which asks it for deferred
     reconciles: what the handlers reach through kopf's memo."""
-    runtime = Runtime(workers=settings.workers, resync_seconds=settings.resync_seconds)
+    runtime = Runtime(
+        workers=settings.workers,
+        resync_seconds=settings.resync_seconds,
+        watches=watches.Watches(settings.namespaces),
+        post_event=api.post_event,
+    )
     reconciler = Reconciler(
         api=api,
         render_settings=settings.render_settings(),

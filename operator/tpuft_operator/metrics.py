@@ -17,6 +17,11 @@ RECONCILE_SECONDS = Histogram(
 QUEUE_DEPTH = Gauge(
     "tpuft_workqueue_depth", "Runs marked for a reconcile and waiting for a worker (workqueue.py)."
 )
+QUEUE_WAIT_SECONDS = Histogram(
+    "tpuft_workqueue_queue_duration_seconds",
+    "Time a run waits in the work queue, from the event that marked it to a worker taking it.",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
 GOODPUT = Gauge(
     "tpuft_run_goodput_ratio",

@@ -1,29 +1,28 @@
-"""The worker runtime: from kopf's watch events to reconciles, off the event loop.
+"""The worker runtime: from watch events to reconciles, off the event loop.
 
-kopf runs the watches on one asyncio loop and calls the handlers (handlers.py) for every event;
-each handler hands its event to a `Runtime` method here, which only *marks* the run in the work
-queue (workqueue.py: each run waits once, runs that need their JobSet first) and returns. `workers`
-threads take marked runs and reconcile each from the indexes (`Views`) as they are by then. A resync
-task marks every unfinished run every `resync_seconds` (a missed event or a failed API call heals
-without anyone touching the object) and drops the state of runs the watch no longer holds.
+The busy watches (watches.py: the TPUFineTunes, their JobSets and pods) and kopf's handlers for the
+nodes and Kueue's Workloads (handlers.py) hand each event to a `Runtime.on_*` method, on the event
+loop; it only *marks* the runs the event concerns in the work queue (workqueue.py: each run waits
+once, runs that need their JobSet first) and returns. `workers` threads take marked runs and
+reconcile each from the watches' latest objects (`Views`) as they are by then; they start once every
+watch has listed. A resync task marks every unfinished run every `resync_seconds` (a missed event or a
+failed API call heals without anyone touching the object) and drops the state of runs that are gone.
 
-    watch events --> handlers --> Runtime.on_* --> WorkQueue --> worker threads --> Reconciler
-         (kopf, one event loop)        mark          (urgent first)       Views.observe
+    watch events --> Runtime.on_* --> WorkQueue ------> worker threads --> Reconciler --> k8s.Api
+    (one event loop)     mark        (urgent first)    Views.observe       decide, act
 
-kopf gives each resource its own shallow copy of the memo and passes its indexes only to handlers,
-so the first handler call lends them (`_lend`); kopf.event() finds kopf's event queue in context
-variables that kopf sets in the tasks processing watch events, so that call lends its context too.
+kopf passes its indexes (of the nodes and Workloads) only to its handlers, so their first handler
+call lends them (`_lend`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -35,6 +34,7 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.status import is_final
+from tpuft_operator.watches import FINETUNES, JOBSETS, PODS, Watches
 from tpuft_operator.workqueue import WorkQueue
 
 Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
@@ -45,7 +45,7 @@ Slim = dict[str, Any]
 _log = logging.getLogger("tpuft.workers")
 
 
-def _latest(index: kopf.Index[K, Slim], key: K) -> Slim | None:
+def _latest(index: Mapping[K, Any], key: K) -> Slim | None:
     store = index.get(key)
     return next(iter(store), None) if store else None
 
@@ -65,9 +65,9 @@ class Observation:
 class Views:
     """kopf's in-memory indexes, keyed by (namespace, the run label's value) except the nodes'."""
 
-    finetunes: kopf.Index[Key, Slim]
-    jobsets: kopf.Index[Key, Slim]
-    pods: kopf.Index[Key, Slim]
+    finetunes: Mapping[Key, list[Slim]]
+    jobsets: Mapping[Key, list[Slim]]
+    pods: Mapping[Key, list[Slim]]
     nodes: kopf.Index[str, Slim] | None = None  # with --watch-nodes
     workloads: kopf.Index[Key, Slim] | None = None  # Kueue's, by (namespace, JobSet name)
 
@@ -111,14 +111,27 @@ class Views:
         return Observation(finetune, jobset, pods, nodes, workload)
 
 
-class Runtime:
-    """The work queue, the worker threads and the resync loop; one per operator process."""
+# (involved object, type "Normal"/"Warning", reason, message): posts a Kubernetes Event (k8s.Api).
+PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
 
-    def __init__(self, *, workers: int, resync_seconds: float) -> None:
+
+class Runtime:
+    """The watches, the work queue, the worker threads and the resync loop; one per operator process."""
+
+    def __init__(
+        self,
+        *,
+        workers: int,
+        resync_seconds: float,
+        watches: Watches | None = None,
+        post_event: PostEvent = lambda obj, type_, reason, message: None,
+    ) -> None:
         self.workers = workers
         self.resync_seconds = resync_seconds
-        self.queue = WorkQueue()
-        self.views: Views | None = None
+        self.watches = watches or Watches()
+        self.post_event = post_event
+        self.queue = WorkQueue(waited=metrics.QUEUE_WAIT_SECONDS.observe)
+        self.views = Views(self.watches.finetunes, self.watches.jobsets, self.watches.pods)
         self.reconciler: Reconciler | None = None
         # The run of each JobSet, (namespace, JobSet name) -> run name: a Workload names only its JobSet.
         self._jobset_runs: dict[Key, str] = {}
@@ -126,31 +139,38 @@ class Runtime:
         self._node_signals: dict[str, maintenance.NodeSignals] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kopf_settings: kopf.OperatorSettings | None = None
-        self._context: contextvars.Context | None = None
         self._resync: asyncio.Task[None] | None = None
 
     # -- life cycle (kopf's startup and cleanup handlers) --
 
     def start(self, reconciler: Reconciler, settings: kopf.OperatorSettings) -> None:
-        """Starts the workers and the resync loop; called on the event loop."""
+        """Starts the watches, the workers and the resync loop; called on the event loop."""
         self.reconciler = reconciler
         self._loop = asyncio.get_running_loop()
         self._kopf_settings = settings
         metrics.QUEUE_DEPTH.set_function(lambda: len(self.queue))
+        self.watches.start(
+            settings,
+            {
+                FINETUNES: self.on_finetune,
+                JOBSETS: lambda type_, obj: self.on_jobset(type_, *_name_and_labels(obj)),
+                PODS: lambda type_, obj: self.on_pod(_name_and_labels(obj)[0], _name_and_labels(obj)[2]),
+            },
+        )
         # Daemons: `queue.close()` at cleanup wakes each one to exit, and none holds up a shutdown.
         for number in range(self.workers):
             threading.Thread(target=self._work, name=f"tpuft-worker-{number}", daemon=True).start()
         self._resync = asyncio.create_task(self._resync_forever())
 
     def stop(self) -> None:
+        self.watches.stop()
         if self._resync is not None:
             self._resync.cancel()
         self.queue.close()
 
     # -- watch events, on the event loop: each marks the runs it concerns --
 
-    def on_finetune(self, type_: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
-        views = self._lend(indexes)
+    def on_finetune(self, type_: str, body: Mapping[str, Any]) -> None:
         if type_ == "DELETED":
             if self.reconciler is not None:
                 self.reconciler.forget(body)
@@ -158,14 +178,11 @@ class Runtime:
         meta = body["metadata"]
         key = (str(meta["namespace"]), str(meta["name"]))
         # A run with no JobSet (yet, or any more) goes first: creating it is what the user waits for.
-        urgent = _latest(views.jobsets, (key[0], label_value(key[1]))) is None
+        urgent = _latest(self.views.jobsets, (key[0], label_value(key[1]))) is None
         self.queue.add(key, urgent=urgent)
 
-    def on_jobset(
-        self, type_: str, namespace: str, name: str, labels: Mapping[str, str], indexes: Mapping[str, Any]
-    ) -> None:
-        views = self._lend(indexes)
-        for owner in views.owners(namespace, labels):
+    def on_jobset(self, type_: str, namespace: str, name: str, labels: Mapping[str, str]) -> None:
+        for owner in self.views.owners(namespace, labels):
             key = (namespace, str(owner["metadata"]["name"]))
             if type_ == "DELETED":
                 self._jobset_runs.pop((namespace, name), None)
@@ -175,8 +192,8 @@ class Runtime:
                 self._jobset_runs[(namespace, name)] = key[1]
             self.queue.add(key, urgent=type_ == "DELETED")  # a deleted JobSet is recreated
 
-    def on_pod(self, namespace: str, labels: Mapping[str, str], indexes: Mapping[str, Any]) -> None:
-        for owner in self._lend(indexes).owners(namespace, labels):
+    def on_pod(self, namespace: str, labels: Mapping[str, str]) -> None:
+        for owner in self.views.owners(namespace, labels):
             self.queue.add((namespace, str(owner["metadata"]["name"])))
 
     def on_workload(self, namespace: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
@@ -188,16 +205,17 @@ class Runtime:
 
     def on_node(self, type_: str, name: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
         """Marks the runs on a node whose maintenance signals changed (not at every heartbeat)."""
-        views = self._lend(indexes)
+        self._lend(indexes)
         signals = maintenance.node_signals(body) if type_ != "DELETED" else maintenance.NodeSignals(name)
         if self._node_signals.get(name, maintenance.NodeSignals(name)) == signals:
             return
         self._node_signals[name] = signals
         if type_ == "DELETED":
             self._node_signals.pop(name, None)
-        for (namespace, label), pods in views.pods.items():
+        for namespace, label in list(self.views.pods):
+            pods = self.views.pods.get((namespace, label)) or []
             if any((pod.get("spec") or {}).get("nodeName") == name for pod in pods):
-                for owner in views.finetunes.get((namespace, label)) or []:
+                for owner in self.views.finetunes.get((namespace, label)) or []:
                     self.queue.add((namespace, str(owner["metadata"]["name"])))
 
     def defer(self, key: Key, delay: float) -> None:
@@ -207,26 +225,21 @@ class Runtime:
             mark = functools.partial(self.queue.add, key)
             loop.call_soon_threadsafe(lambda: loop.call_later(delay, mark))
 
-    def _lend(self, indexes: Mapping[str, Any]) -> Views:
-        """The indexes, from a handler's keyword arguments (kopf passes them only to handlers)."""
-        if self.views is None:
-            self.views = Views(indexes["finetunes"], indexes["jobsets"], indexes["pods"])
-            self._context = contextvars.copy_context()
+    def _lend(self, indexes: Mapping[str, Any]) -> None:
+        """kopf's indexes of nodes and Workloads, from a handler's keyword arguments."""
         if self.views.nodes is None and "nodes" in indexes:
             self.views.nodes = indexes["nodes"]
         if self.views.workloads is None and "workloads" in indexes:
             self.views.workloads = indexes["workloads"]
-        return self.views
 
     # -- the worker threads and the resync loop --
 
     def _work(self) -> None:
         """One worker thread: reconcile marked runs until the queue closes."""
+        self.watches.listed.wait()  # a run whose JobSet is not listed yet would look as if it had none
         while (key := self.queue.get()) is not None:
             try:
-                # A copy each time: one Context cannot be entered by two threads at once.
-                context = self._context.copy() if self._context else contextvars.Context()
-                context.run(self.reconcile, key)
+                self.reconcile(key)
             except Exception:  # a bug must not kill the worker; the resync loop retries the run
                 _log.exception("reconcile of %s/%s failed; retrying at the next resync", *key)
             finally:
@@ -246,7 +259,7 @@ class Runtime:
                 seen.finetune,
                 seen.jobset,
                 seen.pods,
-                event=_event_sink(finetune),
+                event=functools.partial(self.post_event, seen.finetune),
                 nodes=seen.nodes,
                 workload=seen.workload,
                 logger=logger,
@@ -282,9 +295,6 @@ class Runtime:
             self.reconciler.forget_all_but(uids, seen_before=started)
 
 
-def _event_sink(body: kopf.Body) -> Any:
-    # kopf.event needs only apiVersion, kind and metadata (name, namespace, uid): a slim body will do.
-    def post(type_: str, reason: str, message: str) -> None:
-        kopf.event(body, type=type_, reason=reason, message=message[:1024])
-
-    return post
+def _name_and_labels(obj: Mapping[str, Any]) -> tuple[str, str, Mapping[str, str]]:
+    meta = obj["metadata"]
+    return str(meta["namespace"]), str(meta["name"]), meta.get("labels") or {}

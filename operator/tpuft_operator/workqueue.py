@@ -15,13 +15,17 @@ are by then. So:
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 
 Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
 
 
 class WorkQueue:
-    def __init__(self) -> None:
+    def __init__(self, *, waited: Callable[[float], None] | None = None) -> None:
+        """``waited``: called with the seconds each run waited, from its mark to a worker taking it."""
+        self._waited = waited
         self._cond = threading.Condition()
         self._urgent: deque[Key] = deque()
         self._normal: deque[Key] = deque()
@@ -29,6 +33,7 @@ class WorkQueue:
         # may hold a stale copy of a run that was promoted or already taken (skipped when met).
         self._waiting: dict[Key, bool] = {}
         self._processing: set[Key] = set()
+        self._marked_at: dict[Key, float] = {}  # the first mark of each waiting run (monotonic)
         self._closed = False
 
     def add(self, key: Key, *, urgent: bool = False) -> None:
@@ -40,6 +45,7 @@ class WorkQueue:
             if was is not None and (was or not urgent):
                 return  # already waiting, at this priority or a higher one
             self._waiting[key] = urgent
+            self._marked_at.setdefault(key, time.monotonic())
             if key not in self._processing:
                 (self._urgent if urgent else self._normal).append(key)
                 self._cond.notify()
@@ -55,6 +61,9 @@ class WorkQueue:
                         if key in self._waiting and key not in self._processing:
                             del self._waiting[key]
                             self._processing.add(key)
+                            marked = self._marked_at.pop(key, None)
+                            if self._waited is not None and marked is not None:
+                                self._waited(time.monotonic() - marked)
                             return key
                 self._cond.wait()
             return None

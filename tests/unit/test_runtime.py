@@ -15,6 +15,7 @@ from tpuft_operator.render import RenderSettings
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.runs import RunBook
 from tpuft_operator.runtime import Runtime, Views
+from tpuft_operator.watches import FINETUNES, Store, Watches
 
 
 def finetune(name: str, uid: str, namespace: str = "ns", **status: Any) -> dict[str, Any]:
@@ -32,17 +33,22 @@ def jobset(name: str, owner_uid: str, completed: bool = False) -> dict[str, Any]
         "metadata": {
             "namespace": "ns",
             "name": name,
+            "labels": {FINETUNE_LABEL: name},
             "ownerReferences": [{"kind": "TPUFineTune", "uid": owner_uid, "controller": True}],
         },
         "status": {"conditions": conditions},
     }
 
 
-def indexes(*runs: dict[str, Any], jobsets: dict[Any, list[Any]] | None = None) -> dict[str, Any]:
-    finetunes: dict[tuple[str, str], list[dict[str, Any]]] = {}
+def runtime_with(*runs: dict[str, Any], jobsets: tuple[dict[str, Any], ...] = ()) -> Runtime:
+    """A runtime whose watches hold ``runs`` and ``jobsets`` (as watches.Watches fills them)."""
+    runtime = Runtime(workers=1, resync_seconds=60, watches=Watches())
     for run in runs:
-        finetunes.setdefault((run["metadata"]["namespace"], run["metadata"]["name"]), []).append(run)
-    return {"finetunes": finetunes, "jobsets": jobsets or {}, "pods": {}}
+        runtime.watches.finetunes.put(FINETUNES.key_of(run), run["metadata"]["uid"], run)
+    for js in jobsets:
+        key = ("ns", js["metadata"]["labels"][FINETUNE_LABEL])
+        runtime.watches.jobsets.put(key, js["metadata"]["name"] + "-uid", js)
+    return runtime
 
 
 def drain(runtime: Runtime) -> list[tuple[str, str]]:
@@ -57,54 +63,45 @@ def drain(runtime: Runtime) -> list[tuple[str, str]]:
 
 
 def test_a_new_run_goes_ahead_of_status_work() -> None:
-    runtime = Runtime(workers=1, resync_seconds=60)
     running, new = finetune("running", "u-1"), finetune("new", "u-2")
-    kw = indexes(running, new, jobsets={("ns", "running"): [jobset("running", "u-1")]})
-    runtime.on_finetune("MODIFIED", running, kw)
-    runtime.on_finetune("ADDED", new, kw)
+    runtime = runtime_with(running, new, jobsets=(jobset("running", "u-1"),))
+    runtime.on_finetune("MODIFIED", running)
+    runtime.on_finetune("ADDED", new)
     assert drain(runtime) == [("ns", "new"), ("ns", "running")]
 
 
 def test_a_child_event_marks_only_its_own_run_when_labels_collide() -> None:
     # Two runs whose label values collide (a long name is indexed by prefix + hash): the uid label decides.
-    runtime = Runtime(workers=1, resync_seconds=60)
-    one, two = finetune("a", "u-1"), finetune("a", "u-2", namespace="ns")
-    two["metadata"]["name"] = "a-twin"
-    kw = {"finetunes": {("ns", "a"): [one, two]}, "jobsets": {}, "pods": {}}
-    runtime.on_pod("ns", {FINETUNE_LABEL: "a", FINETUNE_UID_LABEL: "u-2"}, kw)
+    one, two = finetune("a", "u-1"), finetune("a-twin", "u-2")
+    runtime = runtime_with()
+    for run in (one, two):  # both under the label value "a"
+        runtime.watches.finetunes.put(("ns", "a"), run["metadata"]["uid"], run)
+    runtime.on_pod("ns", {FINETUNE_LABEL: "a", FINETUNE_UID_LABEL: "u-2"})
     assert drain(runtime) == [("ns", "a-twin")]
-    runtime.on_pod("ns", {FINETUNE_LABEL: "a"}, kw)  # no uid label (an older pod): both are looked at
+    runtime.on_pod("ns", {FINETUNE_LABEL: "a"})  # no uid label (an older pod): both are looked at
     assert drain(runtime) == [("ns", "a"), ("ns", "a-twin")]
 
 
 def test_a_deleted_jobset_is_urgent_and_forgotten_as_the_run_s_jobset() -> None:
     reconciler = Reconciler(api=None, render_settings=RenderSettings())  # type: ignore[arg-type]
-    runtime = Runtime(workers=1, resync_seconds=60)
-    runtime.reconciler = reconciler
     run = finetune("run", "u-1")
+    runtime = runtime_with(run)
+    runtime.reconciler = reconciler
     state = reconciler.runs.of(run)
     state.jobset = jobset("run", "u-1")
-    runtime.on_jobset("DELETED", "ns", "run", {FINETUNE_LABEL: "run"}, indexes(run))
+    runtime.on_jobset("DELETED", "ns", "run", {FINETUNE_LABEL: "run"})
     assert state.jobset is None
     assert runtime.queue.get() == ("ns", "run")
 
 
 def test_the_resync_marks_unfinished_runs_and_drops_the_state_of_runs_that_are_gone() -> None:
     reconciler = Reconciler(api=None, render_settings=RenderSettings())  # type: ignore[arg-type]
-    runtime = Runtime(workers=1, resync_seconds=60)
-    runtime.reconciler = reconciler
     done = finetune("done", "u-1", phase="Succeeded")
     active = finetune("active", "u-2", phase="Running")
-    kw = indexes(
-        done,
-        active,
-        jobsets={
-            ("ns", "done"): [jobset("done", "u-1", completed=True)],
-            ("ns", "active"): [jobset("active", "u-2")],
-        },
+    runtime = runtime_with(
+        done, active, jobsets=(jobset("done", "u-1", completed=True), jobset("active", "u-2"))
     )
-    runtime.on_finetune("MODIFIED", done, kw)
-    drain(runtime)
+    runtime.reconciler = reconciler
     for run in (done, active, finetune("deleted-while-we-were-down", "u-3")):
         reconciler.runs.of(run)
     time.sleep(0.01)
@@ -136,12 +133,23 @@ def test_views_observe_a_run_with_its_own_jobset_and_pods() -> None:
     theirs, ours = jobset("run", "u-other"), jobset("run", "u-1")
     pod = {"metadata": {"name": "p"}, "spec": {"nodeName": "n1"}}
     views = Views(
-        finetunes={("ns", "run"): [run]},  # type: ignore[arg-type]
-        jobsets={("ns", "run"): [theirs, ours]},  # type: ignore[arg-type]
-        pods={("ns", "run"): [pod]},  # type: ignore[arg-type]
-        nodes={"n1": [{"metadata": {"name": "n1"}}]},  # type: ignore[arg-type]
+        finetunes={("ns", "run"): [run]},
+        jobsets={("ns", "run"): [theirs, ours]},
+        pods={("ns", "run"): [pod]},
+        nodes={"n1": [{"metadata": {"name": "n1"}}]},  # type: ignore[dict-item]
     )
     seen = views.observe(("ns", "run"))
     assert seen is not None
     assert seen.jobset is ours and seen.pods == [pod] and list(seen.nodes) == ["n1"]
     assert views.observe(("ns", "gone")) is None
+
+
+def test_a_store_moves_an_object_whose_label_changed_and_returns_copies() -> None:
+    store = Store()
+    store.put(("ns", "a"), "u-1", {"v": 1})
+    held = store.get(("ns", "a"))
+    store.put(("ns", "b"), "u-1", {"v": 2})
+    assert held == [{"v": 1}]  # a reader's list is its own
+    assert store.get(("ns", "a")) is None and store[("ns", "b")] == [{"v": 2}]
+    assert store.uids("ns") == {"u-1"} and store.uids("other") == set()
+    assert store.discard("u-1") == {"v": 2} and len(store) == 0
