@@ -68,6 +68,7 @@ RESULTS = Path(__file__).parent / "results" / "operator.json"
 CLUSTER = "bench"
 POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
 SIZES = (100, 300, 1000)
+REPEAT = 3  # rounds per N: the figures swing by 2x between runs on the 2-CPU machine
 THREADS = 16
 TRAINER_IMAGE = "example.invalid/tpuft-trainer:bench"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{SERVICE_ACCOUNT}"
@@ -115,13 +116,14 @@ def names(n: int) -> list[str]:
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
-        return {"p50": None, "p95": None, "p99": None, "max": None, "count": 0}
+        return {"min": None, "p50": None, "p95": None, "p99": None, "max": None, "count": 0}
     ordered = sorted(values)
 
     def at(q: float) -> float:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
 
     return {
+        "min": round(ordered[0], 4),
         "p50": round(statistics.median(ordered), 4),
         "p95": at(0.95),
         "p99": at(0.99),
@@ -604,13 +606,16 @@ def load_average() -> list[float]:
 
 
 def main(
-    sizes: Iterable[int] = SIZES, *, keep_cluster: bool = False, profile: bool = False
+    sizes: Iterable[int] = SIZES, *, repeat: int = REPEAT, keep_cluster: bool = False, profile: bool = False
 ) -> dict[str, Any]:
     sizes = list(sizes)
     load_before = load_average()
     phases: list[dict[str, Any]] = []
-    for n in sizes:
-        print(f">> N={n}: a fresh cluster with {POOLS} v5e 2x2 node pools")
+    # Round-robin over the sizes, `repeat` times: a slow minute of the machine then spreads over the
+    # sizes instead of spoiling one; the report takes the median of the rounds per N.
+    plan = [(round_, n) for round_ in range(repeat) for n in sizes]
+    for round_, n in plan:
+        print(f">> N={n} (round {round_ + 1} of {repeat}): a fresh cluster with {POOLS} v5e 2x2 node pools")
         cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
         logs = Path(tempfile.gettempdir()) / "tpuft-bench"  # the operator logs, kept after `down`
         try:
@@ -618,16 +623,18 @@ def main(
             print(f">> N={n}: through the operator")
             spy = (
                 RESULTS.parent / f"operator-profile-{n}.speedscope.json"
-                if profile and n == max(sizes)
+                if profile and n == max(sizes) and round_ == 0
                 else None
             )
             operator_phase = bench.operator(n, profile=spy)
             print(f">> N={n}: direct JobSet creation (the limit)")
             direct_phase = bench.direct(n)
+            for phase in (direct_phase, operator_phase):
+                phase["round"] = round_
             phases += [direct_phase, operator_phase]
             print(summary_line(direct_phase, operator_phase))
         finally:
-            if not (keep_cluster and n == sizes[-1]):
+            if not (keep_cluster and (round_, n) == plan[-1]):
                 cluster.down()
     results = {
         "what": "tpuft operator at scale vs direct JobSet creation, local cluster (kwok TPU nodes)",
@@ -636,6 +643,7 @@ def main(
         "load_average_after": load_average(),
         "node_pools": {"type": "v5e", "topology": "2x2", "pools": POOLS, "hosts_per_pool": 1},
         "client_threads": THREADS,
+        "rounds": repeat,
         "phases": phases,
     }
     # A profiled run is slower (py-spy shares the cores): its numbers go to their own file.
@@ -669,6 +677,12 @@ def summary_line(direct: dict[str, Any], operator: dict[str, Any]) -> str:
 def cli(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench operator")
     parser.add_argument("--n", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=REPEAT,
+        help="rounds per N, each on a fresh cluster (the report: medians)",
+    )
     parser.add_argument("--keep-cluster", action="store_true", help="leave the bench cluster running")
     parser.add_argument(
         "--profile",
@@ -678,4 +692,4 @@ def cli(argv: Sequence[str] | None = None) -> None:
         "profiled run go to operator-profiled.json, not operator.json)",
     )
     args = parser.parse_args(argv)
-    main(args.n, keep_cluster=args.keep_cluster, profile=args.profile)
+    main(args.n, repeat=args.repeat, keep_cluster=args.keep_cluster, profile=args.profile)
