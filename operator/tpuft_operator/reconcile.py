@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuft_operator import maintenance, metrics, queueing
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse
 from tpuft_operator.goodput import parse_time
@@ -34,6 +33,7 @@ from tpuft_operator.status import (
     status_patch,
 )
 from tpuft_operator.topology import SliceShape
+from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 Obj = Mapping[str, Any]
 # How often the shared per-namespace progress identity is re-checked (it is created once).

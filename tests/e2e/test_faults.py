@@ -55,13 +55,13 @@ import pytest
 
 from tests.conftest import TEST_CLUSTER
 from tests.support import finetune, get_json, wait_for
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.cluster import kwok
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import OperatorProcess, install_operator
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_operator.render import naming
 from tpuft_trainer.exit_codes import ExitCode
+from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

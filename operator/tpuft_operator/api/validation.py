@@ -28,31 +28,18 @@ from tpuft_operator.api.cel import (
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
-    RESERVED_ANNOTATIONS,
     WARMUP_LENGTH_MESSAGE,
     WARMUP_MESSAGE,
 )
 from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import TPU_RESOURCE, TopologyError, resolve
+from tpuft_trainer.pod_contract import CONFIG_DIR, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_VOLUMES
 
 GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
-# Environment variables the renderer sets itself; a user's env entry must not shadow them.
-RESERVED_ENV = frozenset(
-    {
-        "TPUFT_SLICE_INDEX",
-        "TPUFT_RESTART_ATTEMPT",
-        "TPUFT_COORDINATOR_ADDRESS",
-        "POD_NAME",
-        "POD_NAMESPACE",
-        "JOB_COMPLETION_INDEX",
-        "TPU_WORKER_ID",
-        "TPU_WORKER_HOSTNAMES",
-    }
-)
-# Names the renderer uses for its own volume.
-RESERVED_VOLUMES = frozenset({"tpuft-config"})
+# The names a spec may not take over (the renderer's environment variables and volume, the pod
+# identity Kubernetes and GKE set, the operator's annotations) are in tpuft_trainer/pod_contract.py.
 
 # What core/v1 pod validation checks in the parts of the pod a spec fills in, and the CRD cannot: a
 # JobSet with such a pod template is accepted, but its Jobs are refused and the run never starts.
@@ -253,9 +240,9 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
             errors.append(
                 FieldError(f"spec.volumeMounts[{i}].name", f"no volume named {mount.name!r} in spec.volumes")
             )
-        if mount.mount_path == "/etc/tpuft" or mount.mount_path.startswith("/etc/tpuft/"):
+        if mount.mount_path == CONFIG_DIR or mount.mount_path.startswith(f"{CONFIG_DIR}/"):
             errors.append(
-                FieldError(f"spec.volumeMounts[{i}].mountPath", "/etc/tpuft holds the trainer config")
+                FieldError(f"spec.volumeMounts[{i}].mountPath", f"{CONFIG_DIR} holds the trainer config")
             )
     cache = spec.fsdp.compilation_cache_path
     if cache is not None and not any(
