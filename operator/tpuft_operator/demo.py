@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from tpuft_operator.api.resources import FINETUNE
 from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import (
@@ -82,8 +83,8 @@ def host_run(
     executor runs on this machine (the tests and benchmarks that train for real through the
     operator); ``spec`` overrides top-level spec fields."""
     return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
+        "apiVersion": FINETUNE.api_version,
+        "kind": FINETUNE.kind,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "model": {"name": f"{root}/model", "dtype": "float32"},

@@ -25,6 +25,7 @@ from typing import Any, TypeVar, cast
 import kopf
 
 from tpuft_operator import maintenance, metrics, queueing
+from tpuft_operator.api.resources import FINETUNE, JOBSET, NODE, POD, WORKLOAD
 from tpuft_operator.k8s import ApiError, controller_uid
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
@@ -35,11 +36,11 @@ from tpuft_operator.status import is_final
 from tpuft_operator.topology import ACCELERATOR_LABEL
 from tpuft_operator.workqueue import WorkQueue
 
-FINETUNES = ("tpuft.dev", "v1alpha1", "tpufinetunes")
-JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-PODS = ("", "v1", "pods")
-WORKLOADS = queueing.WORKLOADS
-NODES = ("", "v1", "nodes")
+FINETUNES = FINETUNE.gvp
+JOBSETS = JOBSET.gvp
+PODS = POD.gvp
+WORKLOADS = WORKLOAD.gvp
+NODES = NODE.gvp
 OWNED = {FINETUNE_LABEL: kopf.PRESENT}
 TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
 

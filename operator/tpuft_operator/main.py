@@ -14,7 +14,8 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator.handlers import JOBSETS, PODS, Dispatch, build_registry
+from tpuft_operator.api.resources import JOBSET, NODE, POD, WORKLOAD
+from tpuft_operator.handlers import Dispatch, build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
@@ -93,8 +94,8 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     # Server-side filtering: only the pods and JobSets of runs reach the operator. The handlers'
     # labels= filter is applied by kopf after the fact, so without this every pod event of the whole
     # cluster would be sent, parsed and queued here.
-    for group, version, plural in (PODS, JOBSETS):
-        kopf_settings.watching.label_selectors[group, version, plural] = FINETUNE_LABEL
+    for resource in (POD, JOBSET):
+        kopf_settings.watching.label_selectors[resource.gvp] = FINETUNE_LABEL
     kopf_settings.peering.standalone = True
     if settings.namespaces:
         # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
@@ -105,7 +106,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
 def check_node_access(settings: OperatorSettings, api: Api) -> OperatorSettings:
     """--watch-nodes without the right to list nodes would leave kopf waiting forever for an index it
     may not fill (and every handler behind it): say so and run without the maintenance signals."""
-    if settings.watch_nodes and not (api.may("list", "nodes") and api.may("watch", "nodes")):
+    if settings.watch_nodes and not (api.may("list", NODE.plural) and api.may("watch", NODE.plural)):
         log.warning(
             "--watch-nodes is on but this identity may not list and watch nodes: running without GKE's "
             "maintenance signals (grant the chart's node read, watchNodes: true, or set "
@@ -122,7 +123,7 @@ def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSetti
         return settings
     namespaces: list[str | None] = list(settings.namespaces) or [None]
     allowed = all(
-        api.may(verb, "workloads", "kueue.x-k8s.io", namespace)
+        api.may(verb, WORKLOAD.plural, WORKLOAD.group, namespace)
         for verb in ("list", "watch")
         for namespace in namespaces
     )

@@ -1,20 +1,27 @@
-"""The pod contract (tpuft_trainer/pod_contract.py): what the renderer emits is reserved, what the
-trainer reads is named there, and the Dockerfile, which cannot import it, agrees with it."""
+"""The pod contract (tpuft_trainer/pod_contract.py) and the API resource table (api/resources.py):
+what the renderer emits is reserved, what the trainer reads is named there, and the copies that
+cannot import the tables (Literal types, the trainer's defaults, the Dockerfile) agree with them."""
 
 from __future__ import annotations
 
 import copy
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.unit.test_render_golden import EXAMPLE_FILES, finetune
+from tpuft_operator.api import crd
+from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.policy import env_reserved
+from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.api.validation import SpecError, parse
+from tpuft_operator.k8s import KINDS
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_trainer import pod_contract
+from tpuft_trainer.config import ProgressConfig
 from tpuft_trainer.world import ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +151,26 @@ def test_the_trainer_reads_only_variables_of_the_contract() -> None:
         source = (ROOT / "trainer_image" / "tpuft_trainer" / f"{module}.py").read_text()
         quoted = set(re.findall(r"[\"']((?:TPUFT|TPU|MEGASCALE|JOB)_[A-Z_]+)[\"']", source))
         assert not quoted, f"{module}.py spells out {quoted}: name them in pod_contract.py"
+
+
+def test_copies_that_cannot_import_the_table_agree_with_it() -> None:
+    # The trainer's own defaults (it ships without the operator); the renderer writes them anyway.
+    defaults = ProgressConfig()
+    assert (defaults.group, defaults.version, defaults.plural) == (
+        FINETUNE.group,
+        FINETUNE.version,
+        FINETUNE.plural,
+    )
+    # The model's Literal types must spell the values out.
+    fields = TPUFineTune.model_fields
+    assert typing.get_args(fields["api_version"].annotation) == (FINETUNE.api_version,)
+    assert typing.get_args(fields["kind"].annotation) == (FINETUNE.kind,)
+    assert crd.CRD_NAME == "tpufinetunes.tpuft.dev"
+
+
+def test_the_operator_can_create_every_kind_it_renders() -> None:
+    run = render_run(with_user_parts({**finetune(EXAMPLE_FILES[0])}), SETTINGS)
+    objects = [*run.namespace_objects, *run.objects]
+    assert {o["kind"] for o in objects} >= {JOBSET.kind, "NetworkPolicy", "ServiceAccount", "Role"}
+    for obj in objects:
+        assert KINDS[obj["kind"]].api_version == obj["apiVersion"], obj["kind"]

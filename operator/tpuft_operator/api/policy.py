@@ -33,6 +33,7 @@ from typing import Any
 
 from tpuft_operator.api.admission import validating_policy
 from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.resources import FINETUNE
 from tpuft_operator.api.validation import VOLUME_SOURCES
 from tpuft_operator.render.naming import TRAINER_SERVICE_ACCOUNT
 from tpuft_operator.topology import resolve
@@ -457,5 +458,5 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
         ),
     ]
     return validating_policy(
-        name, operation="CREATE", resource="tpufinetunes", variables=variables, validations=validations
+        name, operation="CREATE", resource=FINETUNE.plural, variables=variables, validations=validations
     )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpuft_operator.api.models import API_VERSION, KIND, TPUFineTune
+from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.render import naming
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import (
@@ -49,7 +50,6 @@ from tpuft_trainer.pod_contract import (
 
 Obj = dict[str, Any]
 
-JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 CONTAINER = "trainer"
 # The names the pods and the trainer agree on (the config volume and its files, the annotations, the
 # environment) are in tpuft_trainer/pod_contract.py. The checkpoint-request file sits in the config's
@@ -74,8 +74,8 @@ def owner_reference(ft: TPUFineTune) -> list[Obj]:
         return []
     return [
         {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
+            "apiVersion": FINETUNE.api_version,
+            "kind": FINETUNE.kind,
             "name": ft.metadata.name,
             "uid": ft.metadata.uid,
             "controller": True,
@@ -338,8 +338,8 @@ def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: Rende
     pod_failure_policy, jobset_failure_policy = failure_policies(ft)
     hosts = shape.hosts_per_slice
     return {
-        "apiVersion": JOBSET_API_VERSION,
-        "kind": "JobSet",
+        "apiVersion": JOBSET.api_version,
+        "kind": JOBSET.kind,
         "metadata": object_metadata(ft, name, labels, annotations),
         "spec": {
             # Kueue admits a queued run by unsuspending it, so it must be created suspended.

@@ -8,6 +8,7 @@ token is not: only the *name* of the environment variable that will hold it.
 from __future__ import annotations
 
 from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.resources import FINETUNE
 from tpuft_operator.render.jobset import grace_seconds
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import SliceShape
@@ -116,6 +117,9 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             namespace=ft.metadata.namespace,
             name=ft.metadata.name,
             min_interval_seconds=settings.progress_min_interval_seconds,
+            group=FINETUNE.group,
+            version=FINETUNE.version,
+            plural=FINETUNE.plural,
         ),
         # The request file is read whatever spec.maintenance says: with `ignore` the operator just
         # never writes a request.
