@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase
 from tpuft_operator.cluster.executor import LocalExecutor
 from tpuft_operator.cluster.local import ClusterError, LocalCluster
 from tpuft_operator.cluster.operator_process import (
@@ -133,7 +134,7 @@ def disrupt(run: Run, steps: int) -> list[dict[str, Any]]:
     run.suspend(True)
     run.wait(
         "phase Suspended, no trainer",
-        lambda: run.status().get("phase") == "Suspended" and not run.executor.logs(),
+        lambda: run.status().get("phase") == Phase.SUSPENDED and not run.executor.logs(),
     )
     time.sleep(2)
     run.suspend(False)
@@ -205,7 +206,7 @@ def measure(cluster: LocalCluster, root: Path, name: str, steps: int, disrupted:
     try:
         cluster.apply([run_body(name, root, steps)])
         disruptions = disrupt(run, steps) if disrupted else []
-        run.wait("the end", lambda: run.status().get("phase") in ("Succeeded", "Failed"), timeout=4 * 3600)
+        run.wait("the end", lambda: run.status().get("phase") in TERMINAL_PHASES, timeout=4 * 3600)
     finally:
         executor.stop()
     status = run.status()

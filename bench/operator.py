@@ -54,6 +54,7 @@ from typing import Any, cast
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from tpuft_operator.api.models import Phase
 from tpuft_operator.api.resources import FINETUNE, JOBSET, POD
 from tpuft_operator.cluster.local import LocalCluster
 from tpuft_operator.cluster.operator_process import (
@@ -217,9 +218,9 @@ class Observations:
     def finetune_event(self, type_: str, obj: dict[str, Any], at: float) -> None:
         phase = (obj.get("status") or {}).get("phase")
         name = obj["metadata"]["name"]
-        if phase == "Running":
+        if phase == Phase.RUNNING:
             self.running.setdefault(name, at)
-        elif phase == "Succeeded":
+        elif phase == Phase.SUCCEEDED:
             self.succeeded.setdefault(name, at)
 
 
@@ -327,7 +328,7 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
         requests.sort()
         status_patches.append(sum(1 for _, kind, _ in requests if kind == STATUS_PATCH))
         for i, (_, kind, phase) in enumerate(requests):
-            if kind == STATUS_PATCH and phase in ("Running", "Succeeded"):
+            if kind == STATUS_PATCH and phase in (Phase.RUNNING, Phase.SUCCEEDED):
                 to_running.append(i + 1)
                 to_running_without_events.append(sum(1 for r in requests[: i + 1] if "events" not in r[1]))
                 break

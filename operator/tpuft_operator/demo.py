@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase
 from tpuft_operator.api.resources import FINETUNE
 from tpuft_operator.cluster.executor import LocalExecutor, run_on_host_annotations
 from tpuft_operator.cluster.local import LocalCluster
@@ -39,7 +40,6 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny-cpu-demo.yaml"
 ASSETS = Path("/tmp/tpuft-demo")  # the example mounts this host path at the same path
 NAMESPACE = "tpuft-demo"
-TERMINAL = ("Succeeded", "Failed")
 
 
 def say(message: str) -> None:
@@ -216,12 +216,12 @@ def run(keep: bool = False) -> int:
             if line and line != last_line:
                 print(line, flush=True)
                 last_line = line
-            if phase in TERMINAL:
+            if phase in TERMINAL_PHASES:
                 break
             time.sleep(1)
         say(f"Finished: {phase or 'timed out'}")
         print(cluster.kubectl("describe", "tpuft", "-n", NAMESPACE).stdout.split("Events:")[-1])
-        if phase != "Succeeded":
+        if phase != Phase.SUCCEEDED:
             for log_file in sorted((workdir / "pods").glob("*.log")):
                 print(f"--- {log_file.name}\n" + "\n".join(log_file.read_text().splitlines()[-30:]))
             return 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuft_operator import maintenance, metrics, queueing
+from tpuft_operator.api.models import Phase
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse
 from tpuft_operator.goodput import parse_time
@@ -100,12 +101,12 @@ def decide(finetune: Obj, valid: bool, jobset: Obj | None, workload: Obj | None 
 
 
 _EVENT_FOR_PHASE = {
-    "Pending": ("Normal", "Pending"),
-    "Queued": ("Normal", "Queued"),
-    "Suspended": ("Normal", "Suspended"),
-    "Running": ("Normal", "Running"),
-    "Succeeded": ("Normal", "Succeeded"),
-    "Failed": ("Warning", "Failed"),
+    Phase.PENDING: ("Normal", "Pending"),
+    Phase.QUEUED: ("Normal", "Queued"),
+    Phase.SUSPENDED: ("Normal", "Suspended"),
+    Phase.RUNNING: ("Normal", "Running"),
+    Phase.SUCCEEDED: ("Normal", "Succeeded"),
+    Phase.FAILED: ("Warning", "Failed"),
 }
 
 
@@ -264,7 +265,7 @@ class Reconciler:
         `Running` would cost two writes (and two events) where one says the same. Only a plain
         Pending first status waits; errors and any later change are written at once."""
         created_at = self._created_at.get(key)
-        if created_at is None or current.get("phase") or derived.get("phase") != "Pending":
+        if created_at is None or current.get("phase") or derived.get("phase") != Phase.PENDING:
             return 0.0
         return max(0.0, created_at + self.status_settle_seconds - time.monotonic())
 
@@ -567,7 +568,7 @@ class Reconciler:
             )
             # A new run's first Pending says nothing the JobSetCreated event did not: no Event (each is
             # one more write to the API server per run; the benchmark showed those writes cost latency).
-            if current.get("phase") or derived["phase"] != "Pending":
+            if current.get("phase") or derived["phase"] != Phase.PENDING:
                 event(kind, reason, derived["message"])
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])

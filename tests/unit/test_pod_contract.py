@@ -1,6 +1,7 @@
-"""The pod contract (tpuft_trainer/pod_contract.py) and the API resource table (api/resources.py):
-what the renderer emits is reserved, what the trainer reads is named there, and the copies that
-cannot import the tables (Literal types, the trainer's defaults, the Dockerfile) agree with them."""
+"""The pod contract (tpuft_trainer/pod_contract.py), the API resource table (api/resources.py) and
+the phases: what the renderer emits is reserved, what the trainer reads is named there, and the
+copies that cannot import the tables (Literal types, the trainer's defaults, the Dockerfile, the
+CRD's phase enum) agree with them."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 
 from tests.unit.test_render_golden import EXAMPLE_FILES, finetune
+from tpuft_operator import metrics
 from tpuft_operator.api import crd
-from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase, TPUFineTune
 from tpuft_operator.api.policy import env_reserved
 from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.api.validation import SpecError, parse
@@ -174,3 +176,11 @@ def test_the_operator_can_create_every_kind_it_renders() -> None:
     assert {o["kind"] for o in objects} >= {JOBSET.kind, "NetworkPolicy", "ServiceAccount", "Role"}
     for obj in objects:
         assert KINDS[obj["kind"]].api_version == obj["apiVersion"], obj["kind"]
+
+
+def test_phases() -> None:
+    assert {Phase.SUCCEEDED, Phase.FAILED} == TERMINAL_PHASES
+    assert "Failed" in TERMINAL_PHASES and Phase.RUNNING == "Running" and f"{Phase.QUEUED}" == "Queued"
+    assert tuple(p.value for p in Phase) == metrics._PHASES
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["status"]["properties"]["phase"]["enum"] == [p.value for p in Phase]

@@ -616,12 +616,19 @@ class TPUFineTuneSpec(_Spec):
 
 
 class Phase(StrEnum):
+    """status.phase: the operator's one list of phases (status.py derives them, metrics.py counts
+    them). A str enum: a member is equal to, hashes like and serializes as its value."""
+
     PENDING = "Pending"
     QUEUED = "Queued"
     SUSPENDED = "Suspended"
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+
+
+# Phases a run never leaves (while no active JobSet contradicts them: status.is_final).
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 
 
 class Condition(_Spec):
