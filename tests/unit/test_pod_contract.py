@@ -19,7 +19,7 @@ from tpuft_operator.api import crd
 from tpuft_operator.api.models import TERMINAL_PHASES, Phase, TPUFineTune
 from tpuft_operator.api.policy import env_reserved
 from tpuft_operator.api.resources import FINETUNE, JOBSET
-from tpuft_operator.api.validation import SpecError, parse
+from tpuft_operator.api.validation import SpecError, parse, parse_run, validate_run
 from tpuft_operator.k8s import KINDS
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_trainer import pod_contract
@@ -184,3 +184,16 @@ def test_phases() -> None:
     assert tuple(p.value for p in Phase) == metrics._PHASES
     schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert schema["properties"]["status"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
+
+
+def test_validation_returns_the_shape_the_renderer_uses() -> None:
+    doc = finetune(EXAMPLE_FILES[0])
+    run = parse_run(doc)
+    assert validate_run(run.finetune) == run
+    rendered = render_run(run)
+    assert rendered.shape is run.shape
+    assert rendered == render_run(doc) == render_run(run.finetune)
+    doc["spec"]["tpu"]["topology"] = "3x3"
+    with pytest.raises(SpecError) as error:
+        parse_run(doc)
+    assert error.value.field == "spec.tpu.topology"
