@@ -35,6 +35,7 @@ from tpuft_dev.cluster.operator_process import (
     operator_env,
 )
 from tpuft_dev.demo import build_assets, host_run
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_trainer.storage import COMPLETE
 
@@ -133,7 +134,7 @@ def disrupt(run: Run, steps: int) -> list[dict[str, Any]]:
     run.suspend(True)
     run.wait(
         "phase Suspended, no trainer",
-        lambda: run.status().get("phase") == "Suspended" and not run.executor.logs(),
+        lambda: run.status().get("phase") == Phase.SUSPENDED and not run.executor.logs(),
     )
     time.sleep(2)
     run.suspend(False)
@@ -205,7 +206,7 @@ def measure(cluster: LocalCluster, root: Path, name: str, steps: int, disrupted:
     try:
         cluster.apply([run_body(name, root, steps)])
         disruptions = disrupt(run, steps) if disrupted else []
-        run.wait("the end", lambda: run.status().get("phase") in ("Succeeded", "Failed"), timeout=4 * 3600)
+        run.wait("the end", lambda: run.status().get("phase") in TERMINAL_PHASES, timeout=4 * 3600)
     finally:
         executor.stop()
     status = run.status()

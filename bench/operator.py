@@ -61,6 +61,8 @@ from tpuft_dev.cluster.operator_process import (
     OperatorProcess,
     install_operator,
 )
+from tpuft_operator.api.models import Phase
+from tpuft_operator.api.resources import FINETUNE, JOBSET, POD
 from tpuft_operator.render import RenderSettings, render_run
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 
@@ -72,8 +74,8 @@ REPEAT = 3  # rounds per N: the figures swing by 2x between runs on the 2-CPU ma
 THREADS = 16
 TRAINER_IMAGE = "example.invalid/tpuft-trainer:bench"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{SERVICE_ACCOUNT}"
-JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-FINETUNE = ("tpuft.dev", "v1alpha1", "tpufinetunes")
+# The operator's status writes, as the audit log's requests are tallied (f"{verb} {resource}").
+STATUS_PATCH = f"patch {FINETUNE.plural}/status"
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 RUN_NAME = re.compile(r"^(r-\d{4})")
 
@@ -85,20 +87,20 @@ rules:
 - level: Request
   users: ["{OPERATOR_USER}"]
   verbs: [patch]
-  resources: [{{group: tpuft.dev, resources: [tpufinetunes/status]}}]
+  resources: [{{group: {FINETUNE.group}, resources: [{FINETUNE.plural}/status]}}]
 - level: Metadata
   users: ["{OPERATOR_USER}"]
 - level: Metadata
   verbs: [create]
-  resources: [{{group: jobset.x-k8s.io, resources: [jobsets]}}, {{group: tpuft.dev, resources: [tpufinetunes]}}]
+  resources: [{{group: {JOBSET.group}, resources: [{JOBSET.plural}]}}, {{group: {FINETUNE.group}, resources: [{FINETUNE.plural}]}}]
 - level: None
 """
 
 
 def finetune(name: str, namespace: str) -> dict[str, Any]:
     return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
+        "apiVersion": FINETUNE.api_version,
+        "kind": FINETUNE.kind,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "model": {"name": "meta-llama/Llama-3.2-1B"},
@@ -218,9 +220,9 @@ class Observations:
     def finetune_event(self, type_: str, obj: dict[str, Any], at: float) -> None:
         phase = (obj.get("status") or {}).get("phase")
         name = obj["metadata"]["name"]
-        if phase == "Running":
+        if phase == Phase.RUNNING:
             self.running.setdefault(name, at)
-        elif phase == "Succeeded":
+        elif phase == Phase.SUCCEEDED:
             self.succeeded.setdefault(name, at)
 
 
@@ -326,9 +328,9 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
     status_patches: list[int] = []
     for requests in per_run.values():
         requests.sort()
-        status_patches.append(sum(1 for _, kind, _ in requests if kind == "patch tpufinetunes/status"))
+        status_patches.append(sum(1 for _, kind, _ in requests if kind == STATUS_PATCH))
         for i, (_, kind, phase) in enumerate(requests):
-            if kind == "patch tpufinetunes/status" and phase in ("Running", "Succeeded"):
+            if kind == STATUS_PATCH and phase in (Phase.RUNNING, Phase.SUCCEEDED):
                 to_running.append(i + 1)
                 to_running_without_events.append(sum(1 for r in requests[: i + 1] if "events" not in r[1]))
                 break
@@ -344,7 +346,7 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
         "object_creates_per_run": round(
             sum(v for k, v in by_kind.items() if k.startswith("create ") and k != "create events") / n, 2
         ),
-        "status_patches_per_run": round(by_kind["patch tpufinetunes/status"] / n, 2),
+        "status_patches_per_run": round(by_kind[STATUS_PATCH] / n, 2),
         "events_per_run": round(by_kind["create events"] / n, 2),
         "reads_per_run": round((sum(by_kind.values()) - writes) / n, 2),
         "by_verb_and_resource": dict(by_kind.most_common()),
@@ -368,7 +370,7 @@ def latency_breakdown(
     """Per run: send -> JobSet POST received, the POST in the apiserver, POST done -> watch sees it;
     in the operator phase the first part is split at the TPUFineTune's POST (send -> received, in the
     apiserver, done -> the operator's JobSet POST received: the operator's reaction)."""
-    posts: dict[str, dict[str, tuple[float, float]]] = {"jobsets": {}, "tpufinetunes": {}}
+    posts: dict[str, dict[str, tuple[float, float]]] = {JOBSET.plural: {}, FINETUNE.plural: {}}
     offset_of_clocks = time.time() - time.monotonic()  # once: every stamp is converted alike
     with path.open() as log:
         log.seek(offset)
@@ -387,7 +389,7 @@ def latency_breakdown(
                         _audit_time(entry["requestReceivedTimestamp"], offset_of_clocks),
                         _audit_time(entry["stageTimestamp"], offset_of_clocks),
                     )
-    jobsets, finetunes = posts["jobsets"], posts["tpufinetunes"]
+    jobsets, finetunes = posts[JOBSET.plural], posts[FINETUNE.plural]
     runs = [r for r in jobsets if r in sent and r in seen]
     split: dict[str, Any] = {
         "runs": len(runs),
@@ -415,7 +417,7 @@ def operator_listed(path: Path) -> bool:
                 and (entry.get("responseStatus") or {}).get("code") == 200
             ):
                 listed.add((entry.get("objectRef") or {}).get("resource"))
-    return {"tpufinetunes", "jobsets", "pods"} <= listed
+    return {FINETUNE.plural, JOBSET.plural, POD.plural} <= listed
 
 
 # --------------------------------------------------------------------------- phases
@@ -443,13 +445,13 @@ class Bench:
         core.create_namespaced_service_account(ns, cast(Any, sa))
 
         obs = Observations()
-        watcher = Watcher(self.api, JOBSET, ns, obs.jobset_event)
+        watcher = Watcher(self.api, JOBSET.gvp, ns, obs.jobset_event)
         watcher.start()
         watcher.ready.wait(30)
         codes_before = apiserver_codes(self.cluster)
         audit_offset = self.cluster.layout.audit_log.stat().st_size
         sent: dict[str, float] = {}
-        group, version, plural = JOBSET
+        group, version, plural = JOBSET.gvp
         items = [
             (
                 run.jobset_name,
@@ -512,15 +514,15 @@ class Bench:
 
         obs = Observations()
         watchers = [
-            Watcher(self.api, JOBSET, ns, obs.jobset_event),
-            Watcher(self.api, FINETUNE, ns, obs.finetune_event),
+            Watcher(self.api, JOBSET.gvp, ns, obs.jobset_event),
+            Watcher(self.api, FINETUNE.gvp, ns, obs.finetune_event),
         ]
         for watcher in watchers:
             watcher.start()
             watcher.ready.wait(30)
         codes_before = apiserver_codes(self.cluster)
         custom = client.CustomObjectsApi(self.api)
-        group, version, plural = FINETUNE
+        group, version, plural = FINETUNE.gvp
         sent: dict[str, float] = {}
         errors: Counter[int] = Counter()
         items = [

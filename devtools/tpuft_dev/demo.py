@@ -33,12 +33,13 @@ from tpuft_dev.cluster.operator_process import (
     install_operator,
     operator_env,
 )
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase
+from tpuft_operator.api.resources import FINETUNE
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny-cpu-demo.yaml"
 ASSETS = Path("/tmp/tpuft-demo")  # the example mounts this host path at the same path
 NAMESPACE = "tpuft-demo"
-TERMINAL = ("Succeeded", "Failed")
 
 
 def say(message: str) -> None:
@@ -82,8 +83,8 @@ def host_run(
     executor runs on this machine (the tests and benchmarks that train for real through the
     operator); ``spec`` overrides top-level spec fields."""
     return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
+        "apiVersion": FINETUNE.api_version,
+        "kind": FINETUNE.kind,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "model": {"name": f"{root}/model", "dtype": "float32"},
@@ -215,12 +216,12 @@ def run(keep: bool = False) -> int:
             if line and line != last_line:
                 print(line, flush=True)
                 last_line = line
-            if phase in TERMINAL:
+            if phase in TERMINAL_PHASES:
                 break
             time.sleep(1)
         say(f"Finished: {phase or 'timed out'}")
         print(cluster.kubectl("describe", "tpuft", "-n", NAMESPACE).stdout.split("Events:")[-1])
-        if phase != "Succeeded":
+        if phase != Phase.SUCCEEDED:
             for log_file in sorted((workdir / "pods").glob("*.log")):
                 print(f"--- {log_file.name}\n" + "\n".join(log_file.read_text().splitlines()[-30:]))
             return 1

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase
+
 MAX_ATTEMPTS = 32  # the API's bound on status.goodput.attempts
 Obj = Mapping[str, Any]
 
@@ -120,7 +122,7 @@ def derive_goodput(
     interval: float,
 ) -> dict[str, Any] | None:
     """The new ``status.goodput`` (camelCase), or None before the trainer has reported anything."""
-    finished = phase in ("Succeeded", "Failed")
+    finished = phase in TERMINAL_PHASES
     attempts = fold_attempts(
         list((previous or {}).get("attempts") or []),
         progress,
@@ -156,7 +158,7 @@ def derive_goodput(
                 lost["redoneSeconds"] += stepping * min(1.0, again / done)
     # After the last report: the final save of a success, else the failure being noticed.
     tail = _seconds(as_of, last_end)
-    lost["checkpointSeconds" if phase == "Succeeded" else "restartGapSeconds"] += tail
+    lost["checkpointSeconds" if phase == Phase.SUCCEEDED else "restartGapSeconds"] += tail
     wall = round(_seconds(as_of, created), 1)
     spent = sum(lost.values())
     if spent > wall:  # the clocks of the trainer's host and the API server disagree by a little

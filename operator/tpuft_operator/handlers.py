@@ -16,12 +16,13 @@ from typing import Any
 import kopf
 
 from tpuft_operator import maintenance, queueing
+from tpuft_operator.api.resources import NODE, WORKLOAD
 from tpuft_operator.runtime import Key, Slim
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.topology import ACCELERATOR_LABEL
 
-WORKLOADS = queueing.WORKLOADS
-NODES = ("", "v1", "nodes")
+WORKLOADS = WORKLOAD.gvp
+NODES = NODE.gvp
 TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
 
 

@@ -12,13 +12,24 @@ import json
 import logging
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+
+from tpuft_operator.api.resources import (
+    EVENT,
+    FINETUNE,
+    JOBSET,
+    NETWORK_POLICY,
+    POD,
+    ROLE,
+    ROLE_BINDING,
+    SERVICE_ACCOUNT,
+    WORKLOAD,
+)
 
 log = logging.getLogger("tpuft.k8s")
 # Who the operator's Events say posted them (source.component, reportingComponent).
@@ -70,36 +81,8 @@ def _wrap(error: ApiException, what: str) -> ApiError:
     return ApiError(f"{what}: HTTP {status}: {reason}", status=status, retryable=retryable)
 
 
-@dataclass(frozen=True)
-class Resource:
-    group: str
-    version: str
-    plural: str
-
-    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
-        base = f"/api/{self.version}" if self.group == "" else f"/apis/{self.group}/{self.version}"
-        path = f"{base}/namespaces/{namespace}/{self.plural}"
-        if name is not None:
-            path += f"/{name}"
-        if subresource is not None:
-            path += f"/{subresource}"
-        return path
-
-
-JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
-FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes")
-POD = Resource("", "v1", "pods")
-# Kueue's Workload of a queued run's JobSet: watched (handlers.py); only spec.active is ever patched.
-WORKLOAD = Resource("kueue.x-k8s.io", "v1beta2", "workloads")
 # Every kind the operator creates, and nothing else.
-KINDS = {
-    "JobSet": JOBSET,
-    "ServiceAccount": Resource("", "v1", "serviceaccounts"),
-    "Role": Resource("rbac.authorization.k8s.io", "v1", "roles"),
-    "RoleBinding": Resource("rbac.authorization.k8s.io", "v1", "rolebindings"),
-    "NetworkPolicy": Resource("networking.k8s.io", "v1", "networkpolicies"),
-}
-EVENT = Resource("", "v1", "events")
+KINDS = {r.kind: r for r in (JOBSET, SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY)}
 MERGE_PATCH = "application/merge-patch+json"
 
 

@@ -14,13 +14,14 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator import watches
+from tpuft_operator.api.resources import JOBSET, NODE, POD, WORKLOAD
 from tpuft_operator.handlers import build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.runtime import Runtime
 from tpuft_operator.settings import OperatorSettings
+from tpuft_operator.watches import Watches
 
 log = logging.getLogger("tpuft.operator")
 
@@ -93,11 +94,8 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     kopf_settings.persistence.diffbase_storage = NoDiffBase()
     # Server-side filtering: only the pods and JobSets of runs reach the operator (watches.py; kopf's
     # watch client reads the selectors from here), not every pod event of the whole cluster.
-    for kind in (watches.PODS, watches.JOBSETS):
-        resource = kind.resource
-        kopf_settings.watching.label_selectors[resource.group, resource.version, resource.plural] = (
-            FINETUNE_LABEL
-        )
+    for resource in (POD, JOBSET):
+        kopf_settings.watching.label_selectors[resource.gvp] = FINETUNE_LABEL
     kopf_settings.peering.standalone = True
     if settings.namespaces:
         # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
@@ -108,7 +106,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
 def check_node_access(settings: OperatorSettings, api: Api) -> OperatorSettings:
     """--watch-nodes without the right to list nodes would leave kopf waiting forever for an index it
     may not fill (and every handler behind it): say so and run without the maintenance signals."""
-    if settings.watch_nodes and not (api.may("list", "nodes") and api.may("watch", "nodes")):
+    if settings.watch_nodes and not (api.may("list", NODE.plural) and api.may("watch", NODE.plural)):
         log.warning(
             "--watch-nodes is on but this identity may not list and watch nodes: running without GKE's "
             "maintenance signals (grant the chart's node read, watchNodes: true, or set "
@@ -125,7 +123,7 @@ def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSetti
         return settings
     namespaces: list[str | None] = list(settings.namespaces) or [None]
     allowed = all(
-        api.may(verb, "workloads", "kueue.x-k8s.io", namespace)
+        api.may(verb, WORKLOAD.plural, WORKLOAD.group, namespace)
         for verb in ("list", "watch")
         for namespace in namespaces
     )
@@ -145,7 +143,7 @@ def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
     runtime = Runtime(
         workers=settings.workers,
         resync_seconds=settings.resync_seconds,
-        watches=watches.Watches(settings.namespaces),
+        watches=Watches(settings.namespaces),
         post_event=api.post_event,
     )
     reconciler = Reconciler(

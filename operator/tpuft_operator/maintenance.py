@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
+from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 SCHEDULED_LABEL = "cloud.google.com/scheduled-maintenance-time"
 ACTIVE_LABEL = "cloud.google.com/active-node-maintenance"

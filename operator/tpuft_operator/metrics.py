@@ -7,6 +7,8 @@ import threading
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from tpuft_operator.api.models import Phase
+
 RECONCILES = Counter("tpuft_reconciles_total", "Reconcile passes, by result.", ["result"])
 API_ERRORS = Counter("tpuft_api_errors_total", "Failed Kubernetes API calls, by HTTP status.", ["status"])
 RECONCILE_SECONDS = Histogram(
@@ -29,7 +31,7 @@ GOODPUT = Gauge(
     ["namespace", "name"],
 )
 
-_PHASES = ("Pending", "Queued", "Suspended", "Running", "Succeeded", "Failed")
+_PHASES = tuple(p.value for p in Phase)
 _phase_of: dict[tuple[str, str], str] = {}
 _guard = threading.Lock()
 for _phase in _PHASES:

@@ -28,9 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tpuft_operator.api.resources import JOBSET
+
 Obj = Mapping[str, Any]
 
-WORKLOADS = ("kueue.x-k8s.io", "v1beta2", "workloads")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # Kueue's WorkloadPriorityClass of a workload (a label on the job: the JobSet).
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
@@ -201,7 +202,7 @@ def deactivated_by_kueue(workload: Obj) -> bool:
 def workload_owner(workload: Obj) -> tuple[str, str] | None:
     """(name, uid) of the JobSet that owns ``workload``, if a JobSet does."""
     for ref in (workload.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("kind") == "JobSet" and str(ref.get("apiVersion", "")).startswith("jobset.x-k8s.io/"):
+        if ref.get("kind") == JOBSET.kind and str(ref.get("apiVersion", "")).startswith(f"{JOBSET.group}/"):
             return str(ref.get("name")), str(ref.get("uid"))
     return None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuft_operator import maintenance, metrics, queueing
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
+from tpuft_operator.api.models import Phase
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse
 from tpuft_operator.goodput import parse_time
@@ -35,6 +35,7 @@ from tpuft_operator.status import (
     status_patch,
 )
 from tpuft_operator.topology import SliceShape
+from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 Obj = Mapping[str, Any]
 # How often the shared per-namespace progress identity is re-checked (it is created once).
@@ -102,12 +103,12 @@ def decide(finetune: Obj, valid: bool, jobset: Obj | None, workload: Obj | None 
 
 
 _EVENT_FOR_PHASE = {
-    "Pending": ("Normal", "Pending"),
-    "Queued": ("Normal", "Queued"),
-    "Suspended": ("Normal", "Suspended"),
-    "Running": ("Normal", "Running"),
-    "Succeeded": ("Normal", "Succeeded"),
-    "Failed": ("Warning", "Failed"),
+    Phase.PENDING: ("Normal", "Pending"),
+    Phase.QUEUED: ("Normal", "Queued"),
+    Phase.SUSPENDED: ("Normal", "Suspended"),
+    Phase.RUNNING: ("Normal", "Running"),
+    Phase.SUCCEEDED: ("Normal", "Succeeded"),
+    Phase.FAILED: ("Warning", "Failed"),
 }
 
 
@@ -453,7 +454,7 @@ class Reconciler:
         Pods usually start within a second or two of their JobSet; writing `Pending` and then
         `Running` would cost two writes (and two events) where one says the same. Only a plain
         Pending first status waits; errors and any later change are written at once."""
-        if run.created_at is None or current.get("phase") or derived.get("phase") != "Pending":
+        if run.created_at is None or current.get("phase") or derived.get("phase") != Phase.PENDING:
             return 0.0
         return max(0.0, run.created_at + self.status_settle_seconds - time.monotonic())
 
@@ -560,7 +561,7 @@ class Reconciler:
             )
             # A new run's first Pending says nothing the JobSetCreated event did not: no Event (each is
             # one more write to the API server per run; the benchmark showed those writes cost latency).
-            if current.get("phase") or derived["phase"] != "Pending":
+            if current.get("phase") or derived["phase"] != Phase.PENDING:
                 event(kind, reason, derived["message"])
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.render.jobset import KUEUE_PRIORITY_CLASS_LABEL
 from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
+from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 
 def slim_finetune(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -30,9 +30,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tpuft_operator import goodput, maintenance, queueing
+from tpuft_operator.api.models import TERMINAL_PHASES, Phase
 from tpuft_trainer.exit_codes import ExitCode, is_user_error
 
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 Obj = Mapping[str, Any]
 
 
@@ -194,14 +194,16 @@ def _derive_phase(obs: Observed) -> _Derived:
     if obs.spec_error is not None:
         path, reason = obs.spec_error
         message = f"{path}: {reason}"
-        return _Derived("Failed", "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
+        return _Derived(Phase.FAILED, "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
     valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
     if obs.name_taken is not None and not is_final(obs.finetune, None):
         message = (
             f"name taken: {obs.name_taken}; nothing of it was touched. Rename this TPUFineTune "
             "(the name of its JobSet derives from it)"
         )
-        return _Derived("Failed", "NameTaken", message, {**valid, "Failed": ("True", "NameTaken", message)})
+        return _Derived(
+            Phase.FAILED, "NameTaken", message, {**valid, "Failed": ("True", "NameTaken", message)}
+        )
     if is_final(obs.finetune, obs.jobset):
         # Final means final: the phase, message and conditions of a finished run stay as first derived,
         # even when its JobSet or pods are gone later (deleted by someone, GC, namespace deletion) and
@@ -213,14 +215,14 @@ def _derive_phase(obs: Observed) -> _Derived:
         if obs.creation_error is not None:
             message = f"creating the JobSet failed, retrying: {obs.creation_error}"
             return _Derived(
-                "Pending", "CreateFailed", message, {**valid, "Created": ("False", "ApiError", message)}
+                Phase.PENDING, "CreateFailed", message, {**valid, "Created": ("False", "ApiError", message)}
             )
         if (obs.finetune.get("status") or {}).get("jobSetName"):
-            return _Derived("Pending", "JobSetMissing", "the JobSet was deleted; recreating it", valid)
-        return _Derived("Pending", "Creating", "creating the JobSet", valid)
+            return _Derived(Phase.PENDING, "JobSetMissing", "the JobSet was deleted; recreating it", valid)
+        return _Derived(Phase.PENDING, "Creating", "creating the JobSet", valid)
     if _is_true(jobset, "Completed"):
         return _Derived(
-            "Succeeded",
+            Phase.SUCCEEDED,
             "Completed",
             "training finished",
             {**valid, "Complete": ("True", "Completed", "training finished")},
@@ -241,12 +243,12 @@ def _derive_phase(obs: Observed) -> _Derived:
                 f"the JobSet failed after {restarts} restart(s): {cond.get('message') or cond.get('reason')}"
             )
             reason = str(cond.get("reason") or "JobSetFailed")
-        return _Derived("Failed", reason, message, {**valid, "Failed": ("True", reason, message)})
+        return _Derived(Phase.FAILED, reason, message, {**valid, "Failed": ("True", reason, message)})
     jobset_suspended = bool((jobset.get("spec") or {}).get("suspend"))
     if spec.get("suspend"):
         message = "suspended by spec.suspend; set it to false to resume"
         return _Derived(
-            "Suspended", "Suspended", message, {**valid, "Suspended": ("True", "SpecSuspend", message)}
+            Phase.SUSPENDED, "Suspended", message, {**valid, "Suspended": ("True", "SpecSuspend", message)}
         )
     queue = queueing.queue_state(obs.workload, str(spec["queueName"])) if spec.get("queueName") else None
     if jobset_suspended and queue is not None:
@@ -254,7 +256,7 @@ def _derive_phase(obs: Observed) -> _Derived:
         if not queue.waiting:  # admitted: Kueue unsuspends the JobSet next
             message = f"{queue.message}; waiting for Kueue to unsuspend the JobSet"
         return _Derived(
-            "Queued",
+            Phase.QUEUED,
             "Queued",
             message,
             {
@@ -274,7 +276,7 @@ def _derive_phase(obs: Observed) -> _Derived:
     if expected and len(running) >= expected:
         message = f"{len(running)}/{expected} TPU hosts running"
         return _Derived(
-            "Running",
+            Phase.RUNNING,
             "Running",
             message,
             {
@@ -287,7 +289,7 @@ def _derive_phase(obs: Observed) -> _Derived:
     if obs.pods_refused is not None:
         message = obs.pods_refused
         return _Derived(
-            "Pending",
+            Phase.PENDING,
             "FailedCreate",
             message,
             {**valid, **not_suspended, "ReplicaFailure": ("True", "FailedCreate", message)},
@@ -301,13 +303,13 @@ def _derive_phase(obs: Observed) -> _Derived:
             f"google.com/tpu chips; the scheduler says: {unschedulable}"
         )
         return _Derived(
-            "Pending",
+            Phase.PENDING,
             "Unschedulable",
             message,
             {**valid, **not_suspended, "Scheduled": ("False", "Unschedulable", message)},
         )
     message = f"{len(running)}/{expected} TPU hosts running"
-    return _Derived("Pending", "Starting", message, {**valid, **not_suspended})
+    return _Derived(Phase.PENDING, "Starting", message, {**valid, **not_suspended})
 
 
 def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
@@ -416,7 +418,7 @@ def derive_status(obs: Observed) -> dict[str, Any]:
         if previous.get("restartsCounted") is not None:
             status["restartsCounted"] = previous["restartsCounted"]
     start = previous.get("startTime")
-    if start is None and derived.phase in {"Running", "Succeeded"}:
+    if start is None and derived.phase in {Phase.RUNNING, Phase.SUCCEEDED}:
         start = _timestamp(obs.now)
     if start is not None:
         status["startTime"] = start

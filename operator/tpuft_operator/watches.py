@@ -29,6 +29,7 @@ import kopf
 from kopf._cogs.clients import watching
 from kopf._cogs.structs import references
 
+from tpuft_operator.api import resources
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.slim import slim_finetune, slim_jobset, slim_pod
@@ -41,12 +42,13 @@ OnEvent = Callable[[str, Mapping[str, Any]], None]
 _log = logging.getLogger("tpuft.watches")
 
 
-def _resource(group: str, version: str, plural: str, kind: str) -> references.Resource:
+def _resource(table: resources.Resource) -> references.Resource:
+    """kopf's description of a resource of our table (what its watch client needs of it)."""
     return references.Resource(
-        group=group,
-        version=version,
-        plural=plural,
-        kind=kind,
+        group=table.group,
+        version=table.version,
+        plural=table.plural,
+        kind=table.kind,
         namespaced=True,
         verbs=frozenset({"list", "watch"}),
     )
@@ -73,9 +75,9 @@ def _owner_key(obj: Mapping[str, Any]) -> Key | None:
     return (str(meta["namespace"]), str(label)) if label else None
 
 
-FINETUNES = Kind(_resource("tpuft.dev", "v1alpha1", "tpufinetunes", "TPUFineTune"), _run_key, slim_finetune)
-JOBSETS = Kind(_resource("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet"), _owner_key, slim_jobset)
-PODS = Kind(_resource("", "v1", "pods", "Pod"), _owner_key, slim_pod)
+FINETUNES = Kind(_resource(resources.FINETUNE), _run_key, slim_finetune)
+JOBSETS = Kind(_resource(resources.JOBSET), _owner_key, slim_jobset)
+PODS = Kind(_resource(resources.POD), _owner_key, slim_pod)
 
 
 class Store(Mapping[Key, list[Slim]]):

@@ -30,7 +30,7 @@ from tpuft_dev.cluster.operator_process import ADMIN_POLICY, install_operator
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import SpecError, parse
 from tpuft_operator.render import RenderedRun, render_run
-from tpuft_operator.render.jobset import CONFIG_ANNOTATION
+from tpuft_trainer.pod_contract import TRAINER_CONFIG_ANNOTATION
 
 CORPUS_FILE = Path(__file__).parent / "bad_input_corpus.yaml"
 CORPUS: dict[str, Any] = yaml.safe_load(CORPUS_FILE.read_text())
@@ -96,8 +96,8 @@ def config_annotations(obj: Any) -> Iterator[str]:
     """Every trainer-config annotation anywhere inside ``obj`` (JobSet and Job templates, pods)."""
     if isinstance(obj, dict):
         for key, value in obj.items():
-            if key == "annotations" and isinstance(value, dict) and CONFIG_ANNOTATION in value:
-                yield value[CONFIG_ANNOTATION]
+            if key == "annotations" and isinstance(value, dict) and TRAINER_CONFIG_ANNOTATION in value:
+                yield value[TRAINER_CONFIG_ANNOTATION]
             else:
                 yield from config_annotations(value)
     elif isinstance(obj, list):
@@ -110,7 +110,7 @@ def without_config(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {
             k: without_config(
-                {a: t for a, t in v.items() if a != CONFIG_ANNOTATION} if k == "annotations" else v
+                {a: t for a, t in v.items() if a != TRAINER_CONFIG_ANNOTATION} if k == "annotations" else v
             )
             for k, v in obj.items()
         }

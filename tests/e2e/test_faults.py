@@ -58,10 +58,10 @@ from tests.support import finetune, get_json, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.cluster.operator_process import OperatorProcess, install_operator
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_operator.render import naming
 from tpuft_trainer.exit_codes import ExitCode
+from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -46,10 +46,9 @@ def test_runs_as_non_root_with_tpuft_train_entrypoint() -> None:
     assert ("ENTRYPOINT", '["tpuft", "train"]') in ops
     # the path the operator's JobSet mounts the rendered config at
     assert ("CMD", '["--config", "/etc/tpuft/config.yaml"]') in ops
-    import importlib
+    from tpuft_trainer.pod_contract import CONFIG_PATH
 
-    jobset = importlib.import_module("tpuft_operator.render.jobset")  # the package re-exports a function
-    assert f"{jobset.CONFIG_DIR}/{jobset.CONFIG_KEY}" == "/etc/tpuft/config.yaml"
+    assert CONFIG_PATH == "/etc/tpuft/config.yaml"
 
 
 def test_installs_the_pinned_requirement_files_with_the_torch_constraint() -> None:

@@ -17,9 +17,10 @@ from tpuft_operator import topology
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.render import RenderSettings, naming, render_run
 from tpuft_operator.render.cli import render as render_command
-from tpuft_operator.render.jobset import CONFIG_ANNOTATION, config_of
+from tpuft_operator.render.jobset import config_of
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES, ExitCode
+from tpuft_trainer.pod_contract import TRAINER_CONFIG_ANNOTATION
 
 BASE: dict[str, Any] = {
     "apiVersion": "tpuft.dev/v1alpha1",
@@ -287,12 +288,13 @@ def test_the_config_travels_in_the_pod_template_and_reaches_the_trainer_as_a_fil
     # The user's annotations stay; the config joins them (no separate object to create or lose).
     assert template["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
     assert (
-        TrainerConfig.from_yaml(template["metadata"]["annotations"][CONFIG_ANNOTATION]) == run.trainer_config
+        TrainerConfig.from_yaml(template["metadata"]["annotations"][TRAINER_CONFIG_ANNOTATION])
+        == run.trainer_config
     )
     (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "tpuft-config"]
     assert volume["downwardAPI"]["items"][0] == {
         "path": "config.yaml",
-        "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"},
+        "fieldRef": {"fieldPath": f"metadata.annotations['{TRAINER_CONFIG_ANNOTATION}']"},
     }
     (container,) = template["spec"]["containers"]
     assert {"name": "tpuft-config", "mountPath": "/etc/tpuft", "readOnly": True} in container["volumeMounts"]
@@ -302,7 +304,7 @@ def test_the_config_travels_in_the_pod_template_and_reaches_the_trainer_as_a_fil
 
 def test_a_pod_annotation_may_not_replace_the_trainer_config() -> None:
     with pytest.raises(SpecError) as error:
-        render_run(with_spec(podAnnotations={CONFIG_ANNOTATION: "model: {name: evil/model}"}))
+        render_run(with_spec(podAnnotations={TRAINER_CONFIG_ANNOTATION: "model: {name: evil/model}"}))
     assert error.value.field == "spec.podAnnotations"
     assert "reserved" in error.value.reason
 

@@ -31,10 +31,9 @@ def test_only_the_pods_and_jobsets_of_runs_are_watched() -> None:
 
 
 def test_kopf_writes_nothing_on_our_objects_and_posts_only_errors_itself() -> None:
-    kopf_settings = configured(workers=7)
+    kopf_settings = configured()
     assert kopf_settings.posting.level == logging.ERROR
     assert kopf_settings.persistence.diffbase_storage.build(body={"spec": {"a": 1}}) == {}  # type: ignore[arg-type]
-    assert kopf_settings.execution.max_workers == 7
 
 
 def test_the_per_event_handler_success_line_is_dropped_and_nothing_else() -> None:

@@ -15,6 +15,7 @@ import click
 
 from tpuft_trainer.errors import StoppedAfterCheckpoint, TrainerError
 from tpuft_trainer.exit_codes import ExitCode
+from tpuft_trainer.pod_contract import JOB_COMPLETION_INDEX_ENV, LOG_LEVEL_ENV, TPU_WORKER_ID_ENV
 
 log = logging.getLogger("tpuft_trainer")
 
@@ -33,9 +34,9 @@ def exit_code_for(error: BaseException) -> int:
 
 
 def _setup_logging() -> None:
-    rank = os.environ.get("TPU_WORKER_ID", os.environ.get("JOB_COMPLETION_INDEX", "0"))
+    rank = os.environ.get(TPU_WORKER_ID_ENV, os.environ.get(JOB_COMPLETION_INDEX_ENV, "0"))
     logging.basicConfig(
-        level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
+        level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         format=f"%(asctime)s [host {rank}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

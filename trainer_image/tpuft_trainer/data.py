@@ -20,6 +20,7 @@ from tpuft_trainer import chat
 from tpuft_trainer.config import DatasetSource, ModelSource
 from tpuft_trainer.errors import DataError, NotFoundError, PermissionDeniedError
 from tpuft_trainer.packing import IGNORE, Document, packed_rows, padded_rows
+from tpuft_trainer.pod_contract import CACHE_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def looks_local(name: str) -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TPUFT_CACHE_DIR", "/tmp/tpuft-cache"))
+    return Path(os.environ.get(CACHE_DIR_ENV, "/tmp/tpuft-cache"))
 
 
 def token(source: ModelSource) -> str | None:

@@ -34,11 +34,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
+from tpuft_trainer.pod_contract import COORDINATOR_ADDRESS_ENV
+
 log = logging.getLogger(__name__)
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
-# Fault injection for tests and chaos drills: this process sends itself SIGTERM at the end of that step.
-SIGTERM_AT_STEP_ENV = "TPUFT_FAULT_SIGTERM_AT_STEP"
 
 
 class Channel(Protocol):
@@ -205,7 +205,7 @@ def open_channel(
         from tpuft_trainer.errors import WorldError
 
         raise WorldError(
-            f"this job has {size} processes but TPUFT_COORDINATOR_ADDRESS is unset: the hosts could "
+            f"this job has {size} processes but {COORDINATOR_ADDRESS_ENV} is unset: the hosts could "
             "not agree on a step to checkpoint at when one of them is stopped"
         )
     started = time.monotonic()

@@ -23,6 +23,12 @@ from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, process_start_time
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
+from tpuft_trainer.pod_contract import (
+    COORDINATOR_ADDRESS_ENV,
+    FAULT_KILL_AT_STEP_ENV,
+    FAULT_KILL_IN_SAVE_AT_STEP_ENV,
+    FAULT_SIGTERM_AT_STEP_ENV,
+)
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
 from tpuft_trainer.world import World, check_runtime, detect_world
 
@@ -31,10 +37,6 @@ log = logging.getLogger(__name__)
 OPTIMIZERS = {"adafactor": "adafactor", "adamw": "adamw_torch"}
 METRICS_FILE = "tpuft-metrics.json"
 TENSORBOARD_DIR = "tensorboard"
-# Fault injection for tests (and chaos drills): SIGKILL this process at the end of that step, or in
-# the middle of that step's save (its files written, the completion marker not yet).
-KILL_AT_STEP_ENV = "TPUFT_FAULT_KILL_AT_STEP"
-KILL_IN_SAVE_AT_STEP_ENV = "TPUFT_FAULT_KILL_IN_SAVE_AT_STEP"
 
 
 @dataclass
@@ -110,7 +112,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # From here SIGTERM is a request to checkpoint and stop (stop.py), agreed on by every host.
     stopper = stop_module.StopCoordinator(
         stop_module.open_channel(
-            env.get("TPUFT_COORDINATOR_ADDRESS"),
+            env.get(COORDINATOR_ADDRESS_ENV),
             config.stop.coordination_port,
             world.process_index,
             world.process_count,
@@ -434,7 +436,7 @@ def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], 
     import torch_xla
     from transformers import TrainerCallback
 
-    kill_at = int(env.get(KILL_AT_STEP_ENV, "0") or 0)
+    kill_at = int(env.get(FAULT_KILL_AT_STEP_ENV, "0") or 0)
 
     class Observer(TrainerCallback):
         def __init__(self) -> None:
@@ -481,7 +483,7 @@ def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], 
             self.step_times.append(time.monotonic())
             record.compiles_after_step[int(state.global_step)] = _compile_count()
             if kill_at and state.global_step == kill_at:
-                log.warning("%s=%d: killing this process now", KILL_AT_STEP_ENV, kill_at)
+                log.warning("%s=%d: killing this process now", FAULT_KILL_AT_STEP_ENV, kill_at)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -513,8 +515,8 @@ def _stop_callback(
     save is timed, marked complete and (for a URI output) uploaded before training goes on."""
     from transformers import TrainerCallback
 
-    sigterm_at = int(env.get(stop_module.SIGTERM_AT_STEP_ENV, "0") or 0)
-    kill_in_save_at = int(env.get(KILL_IN_SAVE_AT_STEP_ENV, "0") or 0)
+    sigterm_at = int(env.get(FAULT_SIGTERM_AT_STEP_ENV, "0") or 0)
+    kill_in_save_at = int(env.get(FAULT_KILL_IN_SAVE_AT_STEP_ENV, "0") or 0)
 
     class StopCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -524,9 +526,7 @@ def _stop_callback(
             attempt.step_ended()
             stopper.training_started()
             if sigterm_at and state.global_step == sigterm_at:
-                log.warning(
-                    "%s=%d: sending this process SIGTERM", stop_module.SIGTERM_AT_STEP_ENV, sigterm_at
-                )
+                log.warning("%s=%d: sending this process SIGTERM", FAULT_SIGTERM_AT_STEP_ENV, sigterm_at)
                 os.kill(os.getpid(), signal.SIGTERM)
             decision = stopper.at_step_boundary()
             self.reason = decision.reason if decision.save else "periodic"
@@ -542,7 +542,9 @@ def _stop_callback(
             name = f"checkpoint-{state.global_step}"
             local = Path(args.output_dir) / name
             if kill_in_save_at and state.global_step == kill_in_save_at:
-                log.warning("%s=%d: killing this process mid-save", KILL_IN_SAVE_AT_STEP_ENV, kill_in_save_at)
+                log.warning(
+                    "%s=%d: killing this process mid-save", FAULT_KILL_IN_SAVE_AT_STEP_ENV, kill_in_save_at
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
             storage.mark_complete(local)
             try:

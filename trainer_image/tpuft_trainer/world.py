@@ -15,16 +15,26 @@ from dataclasses import dataclass
 
 from tpuft_trainer.config import WorldConfig
 from tpuft_trainer.errors import WorldError
+from tpuft_trainer.pod_contract import (
+    JOB_COMPLETION_INDEX_ENV,
+    MEGASCALE_NUM_SLICES_ENV,
+    MEGASCALE_SLICE_ID_ENV,
+    RESTART_ATTEMPT_ENV,
+    SLICE_INDEX_ENV,
+    TPU_WORKER_HOSTNAMES_ENV,
+    TPU_WORKER_ID_ENV,
+)
 
-# Every variable this module reads, with who sets it; docs/trainer.md lists the same.
+# Every variable this module reads, with who sets it (pod_contract.py names them); docs/trainer.md
+# lists the same.
 ENV_VARS: dict[str, str] = {
-    "TPU_WORKER_ID": "GKE TPU webhook: this host's index within its slice",
-    "TPU_WORKER_HOSTNAMES": "GKE TPU webhook: comma-separated hostnames of the slice's hosts",
-    "MEGASCALE_SLICE_ID": "GKE (multislice): this slice's index",
-    "MEGASCALE_NUM_SLICES": "GKE (multislice): number of slices",
-    "JOB_COMPLETION_INDEX": "Kubernetes Indexed Job: the pod's index (fallback for TPU_WORKER_ID)",
-    "TPUFT_SLICE_INDEX": "tpuft JobSet (downward API, jobset.sigs.k8s.io/job-index): fallback slice index",
-    "TPUFT_RESTART_ATTEMPT": "tpuft JobSet (downward API, jobset.sigs.k8s.io/restart-attempt)",
+    TPU_WORKER_ID_ENV: "GKE TPU webhook: this host's index within its slice",
+    TPU_WORKER_HOSTNAMES_ENV: "GKE TPU webhook: comma-separated hostnames of the slice's hosts",
+    MEGASCALE_SLICE_ID_ENV: "GKE (multislice): this slice's index",
+    MEGASCALE_NUM_SLICES_ENV: "GKE (multislice): number of slices",
+    JOB_COMPLETION_INDEX_ENV: "Kubernetes Indexed Job: the pod's index (fallback for TPU_WORKER_ID)",
+    SLICE_INDEX_ENV: "tpuft JobSet (downward API, jobset.sigs.k8s.io/job-index): fallback slice index",
+    RESTART_ATTEMPT_ENV: "tpuft JobSet (downward API, jobset.sigs.k8s.io/restart-attempt)",
 }
 
 
@@ -66,25 +76,25 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 
 def detect_world(config: WorldConfig, env: Mapping[str, str]) -> World:
     """Rank and world from the environment, checked against the job's shape in ``config``."""
-    host_index = _int(env, "TPU_WORKER_ID")
+    host_index = _int(env, TPU_WORKER_ID_ENV)
     if host_index is None:
-        host_index = _int(env, "JOB_COMPLETION_INDEX") or 0
-    slice_index = _int(env, "MEGASCALE_SLICE_ID")
+        host_index = _int(env, JOB_COMPLETION_INDEX_ENV) or 0
+    slice_index = _int(env, MEGASCALE_SLICE_ID_ENV)
     if slice_index is None:
-        slice_index = _int(env, "TPUFT_SLICE_INDEX") or 0
-    restart_attempt = _int(env, "TPUFT_RESTART_ATTEMPT") or 0
+        slice_index = _int(env, SLICE_INDEX_ENV) or 0
+    restart_attempt = _int(env, RESTART_ATTEMPT_ENV) or 0
 
     if config.hosts_per_slice > 1:
-        hostnames = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+        hostnames = [h for h in env.get(TPU_WORKER_HOSTNAMES_ENV, "").split(",") if h.strip()]
         if len(hostnames) != config.hosts_per_slice:
             raise WorldError(
                 f"this job has {config.hosts_per_slice} hosts per slice but TPU_WORKER_HOSTNAMES lists "
-                f"{len(hostnames)} ({env.get('TPU_WORKER_HOSTNAMES', 'unset')!r}); without every host "
+                f"{len(hostnames)} ({env.get(TPU_WORKER_HOSTNAMES_ENV, 'unset')!r}); without every host "
                 "the runtime would start each host as an independent copy of the training. Run it in the "
                 "JobSet the operator renders (GKE sets these variables on TPU pods)."
             )
     if config.slices > 1:
-        num_slices = _int(env, "MEGASCALE_NUM_SLICES")
+        num_slices = _int(env, MEGASCALE_NUM_SLICES_ENV)
         if num_slices != config.slices:
             raise WorldError(
                 f"this job has {config.slices} slices but MEGASCALE_NUM_SLICES={num_slices}; the slices "

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tpuft_operator.api.resources import FINETUNE
+
 Obj = dict[str, Any]
 
 
@@ -25,7 +27,7 @@ def validating_policy(
         "matchConstraints": {
             "resourceRules": [
                 {
-                    "apiGroups": ["tpuft.dev"],
+                    "apiGroups": [FINETUNE.group],
                     "apiVersions": ["*"],
                     "operations": [operation],
                     "resources": [resource],

@@ -18,6 +18,11 @@ from typing import Any
 from pydantic import JsonValue
 
 from tpuft_operator.topology import FAMILIES, TpuFamily
+from tpuft_trainer.pod_contract import (
+    CHECKPOINT_REQUEST_ANNOTATION,
+    RESERVED_ANNOTATIONS,
+    TRAINER_CONFIG_ANNOTATION,
+)
 
 # Up to three dimensions of up to four digits: long enough for every GKE shape (16x20x28, 4x4x244),
 # short enough that int() and products in CEL stay cheap and cannot overflow.
@@ -29,12 +34,8 @@ IMMUTABLE_MESSAGE = (
 
 Rule = dict[str, Any]
 
-# The pod annotations the operator writes (render/jobset.py): the trainer config, and the checkpoint
-# requests it makes when a node announces maintenance (reconcile.py). Reserved, so a user's
-# spec.podAnnotations can neither replace them nor be silently overwritten by them.
-TRAINER_CONFIG_ANNOTATION = "tpuft.dev/trainer-config"
-CHECKPOINT_REQUEST_ANNOTATION = "tpuft.dev/checkpoint-request"
-RESERVED_ANNOTATIONS = (TRAINER_CONFIG_ANNOTATION, CHECKPOINT_REQUEST_ANNOTATION)
+# The pod annotations the operator writes (the trainer config, its checkpoint requests) are reserved:
+# tpuft_trainer/pod_contract.py names them.
 RESERVED_ANNOTATION_MESSAGE = (
     f"{TRAINER_CONFIG_ANNOTATION} and {CHECKPOINT_REQUEST_ANNOTATION} are reserved: the operator writes "
     "the trainer config and its checkpoint requests there"

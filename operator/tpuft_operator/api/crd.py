@@ -15,20 +15,17 @@ from typing import Any
 import yaml
 
 from tpuft_operator.api.models import (
-    GROUP,
-    KIND,
-    PLURAL,
     QUANTITY,
     SHORT_NAMES,
     SINGULAR,
-    VERSION,
     TPUFineTuneSpec,
     TPUFineTuneStatus,
 )
+from tpuft_operator.api.resources import FINETUNE
 
 Schema = dict[str, Any]
 
-CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_NAME = f"{FINETUNE.plural}.{FINETUNE.group}"
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Phase of the run."},
@@ -199,8 +196,8 @@ def crd() -> dict[str, Any]:
         ),
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string", "description": "tpuft.dev/v1alpha1"},
-            "kind": {"type": "string", "description": "TPUFineTune"},
+            "apiVersion": {"type": "string", "description": FINETUNE.api_version},
+            "kind": {"type": "string", "description": FINETUNE.kind},
             "metadata": {"type": "object"},
             "spec": spec,
             "status": status,
@@ -211,18 +208,18 @@ def crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {"name": CRD_NAME},
         "spec": {
-            "group": GROUP,
+            "group": FINETUNE.group,
             "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
+                "kind": FINETUNE.kind,
+                "listKind": f"{FINETUNE.kind}List",
+                "plural": FINETUNE.plural,
                 "singular": SINGULAR,
                 "shortNames": list(SHORT_NAMES),
             },
             "scope": "Namespaced",
             "versions": [
                 {
-                    "name": VERSION,
+                    "name": FINETUNE.version,
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},

@@ -19,13 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from tpuft_operator.api import cel
+from tpuft_operator.api.resources import FINETUNE
 from tpuft_operator.topology import FAMILIES
 
-GROUP = "tpuft.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TPUFineTune"
-PLURAL = "tpufinetunes"
+# From the one table of API coordinates (api/resources.py); TPUFineTune's Literal types spell them
+# out, and a unit test holds them equal.
+GROUP = FINETUNE.group
+VERSION = FINETUNE.version
+API_VERSION = FINETUNE.api_version
+KIND = FINETUNE.kind
+PLURAL = FINETUNE.plural
 SINGULAR = "tpufinetune"
 SHORT_NAMES = ("tpuft", "tft")
 
@@ -613,12 +616,19 @@ class TPUFineTuneSpec(_Spec):
 
 
 class Phase(StrEnum):
+    """status.phase: the operator's one list of phases (status.py derives them, metrics.py counts
+    them). A str enum: a member is equal to, hashes like and serializes as its value."""
+
     PENDING = "Pending"
     QUEUED = "Queued"
     SUSPENDED = "Suspended"
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+
+
+# Phases a run never leaves (while no active JobSet contradicts them: status.is_final).
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 
 
 class Condition(_Spec):

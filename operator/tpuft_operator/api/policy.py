@@ -33,33 +33,16 @@ from typing import Any
 
 from tpuft_operator.api.admission import validating_policy
 from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.resources import FINETUNE
 from tpuft_operator.api.validation import VOLUME_SOURCES
 from tpuft_operator.render.naming import TRAINER_SERVICE_ACCOUNT
 from tpuft_operator.topology import resolve
+from tpuft_trainer.pod_contract import ADMIN_RESERVED_ENV_NAMES, ADMIN_RESERVED_ENV_PREFIXES
 
-# Environment variables a run may not set unless the admin allows them (names, or PREFIX* below):
-# each changes where the trainer sends its credentials or data, what code it loads, or how the TPU
-# runtime behaves. The variables the renderer sets itself (validation.RESERVED_ENV) stay reserved
-# whatever the admin allows. The hub token comes only through spec.model.tokenSecretRef.
-RESERVED_ENV_PREFIXES = (
-    "HF_",  # the hub: HF_ENDPOINT sends the token elsewhere, HF_HUB_* change what is trusted
-    "HUGGINGFACE_",
-    "HUGGING_FACE_",
-    "PYTHON",  # PYTHONPATH, PYTHONSTARTUP, PYTHONHOME: code loaded into the trainer
-    "LD_",  # LD_PRELOAD, LD_LIBRARY_PATH: libraries loaded into every process
-    "TPU_",  # the TPU runtime's own topology and worker identity
-    "LIBTPU_",
-    "XLA_",
-    "PJRT_",
-    "MEGASCALE_",  # multislice coordination
-    "TPUFT_",  # the trainer's own settings
-)
-RESERVED_ENV_NAMES = (
-    # Proxies and certificate bundles: every request of the trainer (hub, GCS) goes where they say.
-    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "FTP_PROXY",
-    "http_proxy", "https_proxy", "no_proxy", "all_proxy", "ftp_proxy",
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-)  # fmt: skip
+# Environment variables a run may not set unless the admin allows them (names, or PREFIX*):
+# pod_contract.ADMIN_RESERVED_ENV_NAMES and _PREFIXES. The variables the renderer sets itself
+# (pod_contract.RESERVED_ENV) stay reserved whatever the admin allows (api/validation.py).
+
 # Taints a run may not tolerate unless the admin allows them (keys, or PREFIX*): they keep pods off
 # the control plane, off nodes that are not ready, unreachable or being drained, off nodes GKE is
 # about to stop, and off nodes of other accelerators. A toleration without a key tolerates every
@@ -139,7 +122,7 @@ def image_allowed(image: str, prefixes: Sequence[str]) -> bool:
 
 
 def env_reserved(name: str) -> bool:
-    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+    return name in ADMIN_RESERVED_ENV_NAMES or name.startswith(ADMIN_RESERVED_ENV_PREFIXES)
 
 
 def taint_reserved(key: str) -> bool:
@@ -355,8 +338,8 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
         f"!has(s.secret) || {_listed_cel('s.secret.name', f'{v}.secrets')}))"
     )
     env_reserved_cel = (
-        f"(e.name in {_cel_list(RESERVED_ENV_NAMES)}"
-        f" || {_cel_list(RESERVED_ENV_PREFIXES)}.exists(p, e.name.startsWith(p)))"
+        f"(e.name in {_cel_list(ADMIN_RESERVED_ENV_NAMES)}"
+        f" || {_cel_list(ADMIN_RESERVED_ENV_PREFIXES)}.exists(p, e.name.startsWith(p)))"
         f" && !{v}.env.exists(a, a == e.name || (a.endsWith('*') && e.name.startsWith(a.substring(0, size(a) - 1))))"
     )
     taint_reserved_cel = (
@@ -475,5 +458,5 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
         ),
     ]
     return validating_policy(
-        name, operation="CREATE", resource="tpufinetunes", variables=variables, validations=validations
+        name, operation="CREATE", resource=FINETUNE.plural, variables=variables, validations=validations
     )

@@ -5,6 +5,8 @@ raises `SpecError`. It applies, in order: the pydantic models (types, bounds, en
 OpenAPI schema checks), then `validate` (what the CRD's CEL rules check, from the same catalog, plus
 what CEL cannot check cheaply: URI formats, reserved names). So `tpuft render` rejects exactly what
 the apiserver rejects, and a little more, with the same kind of message: the field, then the reason.
+`parse_run` (of a dict) and `validate_run` (of a model) return a `ValidatedRun` instead: the run and
+the TPU slice shape validation resolved, which the renderer uses rather than resolving it again.
 """
 
 from __future__ import annotations
@@ -28,31 +30,18 @@ from tpuft_operator.api.cel import (
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
-    RESERVED_ANNOTATIONS,
     WARMUP_LENGTH_MESSAGE,
     WARMUP_MESSAGE,
 )
 from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
-from tpuft_operator.topology import TPU_RESOURCE, TopologyError, resolve
+from tpuft_operator.topology import TPU_RESOURCE, SliceShape, TopologyError, resolve
+from tpuft_trainer.pod_contract import CONFIG_DIR, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_VOLUMES
 
 GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
-# Environment variables the renderer sets itself; a user's env entry must not shadow them.
-RESERVED_ENV = frozenset(
-    {
-        "TPUFT_SLICE_INDEX",
-        "TPUFT_RESTART_ATTEMPT",
-        "TPUFT_COORDINATOR_ADDRESS",
-        "POD_NAME",
-        "POD_NAMESPACE",
-        "JOB_COMPLETION_INDEX",
-        "TPU_WORKER_ID",
-        "TPU_WORKER_HOSTNAMES",
-    }
-)
-# Names the renderer uses for its own volume.
-RESERVED_VOLUMES = frozenset({"tpuft-config"})
+# The names a spec may not take over (the renderer's environment variables and volume, the pod
+# identity Kubernetes and GKE set, the operator's annotations) are in tpuft_trainer/pod_contract.py.
 
 # What core/v1 pod validation checks in the parts of the pod a spec fills in, and the CRD cannot: a
 # JobSet with such a pod template is accepted, but its Jobs are refused and the run never starts.
@@ -141,8 +130,16 @@ def _pydantic_errors(error: ValidationError) -> list[FieldError]:
     return out
 
 
-def parse(obj: dict[str, Any]) -> TPUFineTune:
-    """A validated TPUFineTune from a dict, or `SpecError` listing every problem.
+@dataclass(frozen=True)
+class ValidatedRun:
+    """A TPUFineTune that passed every rule, and the TPU slice shape its spec resolved to."""
+
+    finetune: TPUFineTune
+    shape: SliceShape
+
+
+def parse_run(obj: dict[str, Any]) -> ValidatedRun:
+    """A validated TPUFineTune from a dict, with its slice shape, or `SpecError` listing every problem.
 
     Strict types, as the apiserver's schema: "yes" is not a boolean, "3" not an integer. The status
     (timestamps as strings) is not needed to render and is left out."""
@@ -154,10 +151,25 @@ def parse(obj: dict[str, Any]) -> TPUFineTune:
     name = ft.metadata.name
     if len(name) > 253 or not re.match(DNS_SUBDOMAIN, name):
         errors.append(FieldError("metadata.name", f"{name!r} is not a lowercase RFC 1123 subdomain"))
-    errors += validate(ft.spec)
-    if errors:
+    spec_errors, shape = _check(ft.spec)
+    errors += spec_errors
+    if errors or shape is None:  # no shape means a spec.tpu error in the list
         raise SpecError.of(errors)
-    return ft
+    return ValidatedRun(ft, shape)
+
+
+def parse(obj: dict[str, Any]) -> TPUFineTune:
+    """A validated TPUFineTune from a dict, or `SpecError` listing every problem (see `parse_run`)."""
+    return parse_run(obj).finetune
+
+
+def validate_run(ft: TPUFineTune) -> ValidatedRun:
+    """``ft`` with its slice shape, or `SpecError` listing every problem of its spec (the model's
+    field types were checked when it was built)."""
+    errors, shape = _check(ft.spec)
+    if errors or shape is None:
+        raise SpecError.of(errors)
+    return ValidatedRun(ft, shape)
 
 
 def _uri_or_path(value: str, field: str, *, hub: bool) -> list[FieldError]:
@@ -177,6 +189,11 @@ def _uri_or_path(value: str, field: str, *, hub: bool) -> list[FieldError]:
 
 def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
     """Every rule beyond the field types, as a list (empty when the spec can run). Pure."""
+    return _check(spec)[0]
+
+
+def _check(spec: TPUFineTuneSpec) -> tuple[list[FieldError], SliceShape | None]:
+    """`validate`'s errors, and the slice shape spec.tpu resolves to (None when it does not)."""
     errors: list[FieldError] = []
     tpu = spec.tpu
     try:
@@ -253,9 +270,9 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
             errors.append(
                 FieldError(f"spec.volumeMounts[{i}].name", f"no volume named {mount.name!r} in spec.volumes")
             )
-        if mount.mount_path == "/etc/tpuft" or mount.mount_path.startswith("/etc/tpuft/"):
+        if mount.mount_path == CONFIG_DIR or mount.mount_path.startswith(f"{CONFIG_DIR}/"):
             errors.append(
-                FieldError(f"spec.volumeMounts[{i}].mountPath", "/etc/tpuft holds the trainer config")
+                FieldError(f"spec.volumeMounts[{i}].mountPath", f"{CONFIG_DIR} holds the trainer config")
             )
     cache = spec.fsdp.compilation_cache_path
     if cache is not None and not any(
@@ -263,7 +280,7 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
         for m in spec.volume_mounts or []
     ):
         errors.append(FieldError("spec.fsdp.compilationCachePath", COMPILATION_CACHE_MESSAGE))
-    return errors
+    return errors, shape
 
 
 def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpuft_operator.api.models import TPUFineTune
-from tpuft_operator.api.validation import SpecError, parse, validate
+from tpuft_operator.api.validation import SpecError, ValidatedRun, parse_run, validate_run
 from tpuft_operator.render.identity import namespace_objects, run_objects
 from tpuft_operator.render.jobset import jobset
 from tpuft_operator.render.network import network_policy
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.render.trainer_config import trainer_config
-from tpuft_operator.topology import SliceShape, resolve
+from tpuft_operator.topology import SliceShape
 from tpuft_trainer.config import TrainerConfig
 
 __all__ = ["RenderSettings", "RenderedRun", "SpecError", "render_run"]
@@ -50,22 +50,24 @@ class RenderedRun:
         return namespace_objects(str(self.jobset["metadata"]["namespace"]))
 
 
-def render_run(ft: TPUFineTune | dict[str, Any], settings: RenderSettings | None = None) -> RenderedRun:
-    """Render a TPUFineTune (model or plain dict). Raises only `SpecError` for a spec that cannot run."""
+def render_run(
+    ft: TPUFineTune | ValidatedRun | dict[str, Any], settings: RenderSettings | None = None
+) -> RenderedRun:
+    """Render a TPUFineTune (model, plain dict, or already validated: `parse_run`). Raises only
+    `SpecError` for a spec that cannot run. The slice shape is the one validation resolved."""
     settings = settings or RenderSettings()
     if isinstance(ft, dict):
-        ft = parse(ft)
+        run = parse_run(ft)
+    elif isinstance(ft, ValidatedRun):
+        run = ft
     else:
-        errors = validate(ft.spec)
-        if errors:
-            raise SpecError.of(errors)
-    tpu = ft.spec.tpu
-    shape = resolve(tpu.type, tpu.topology, slices=tpu.slices, chips_per_host=tpu.chips_per_host)
-    config = trainer_config(ft, shape, settings)
+        run = validate_run(ft)
+    model, shape = run.finetune, run.shape
+    config = trainer_config(model, shape, settings)
     return RenderedRun(
-        jobset=jobset(ft, shape, config.to_yaml(), settings),
+        jobset=jobset(model, shape, config.to_yaml(), settings),
         trainer_config=config,
         shape=shape,
-        identity=tuple(run_objects(ft)),
-        network=tuple(p for p in [network_policy(ft)] if p is not None and settings.network_policy),
+        identity=tuple(run_objects(model)),
+        network=tuple(p for p in [network_policy(model)] if p is not None and settings.network_policy),
     )

@@ -30,6 +30,7 @@ from typing import Any
 
 from tpuft_operator.api.admission import validating_policy
 from tpuft_operator.api.models import TPUFineTune, TPUFineTuneStatus
+from tpuft_operator.api.resources import FINETUNE, ROLE, ROLE_BINDING, SERVICE_ACCOUNT
 from tpuft_operator.render import naming
 from tpuft_operator.render.jobset import common_labels, object_metadata
 
@@ -52,15 +53,19 @@ def namespace_objects(namespace: str) -> list[Obj]:
         return {"name": name, "namespace": namespace, "labels": dict(SHARED_LABELS)}
 
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(TRAINER_SERVICE_ACCOUNT)},
         {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
+            "apiVersion": SERVICE_ACCOUNT.api_version,
+            "kind": SERVICE_ACCOUNT.kind,
+            "metadata": meta(TRAINER_SERVICE_ACCOUNT),
+        },
+        {
+            "apiVersion": ROLE.api_version,
+            "kind": ROLE.kind,
             "metadata": meta(PROGRESS_ROLE),
             "rules": [
                 {
-                    "apiGroups": ["tpuft.dev"],
-                    "resources": ["tpufinetunes/status"],
+                    "apiGroups": [FINETUNE.group],
+                    "resources": [f"{FINETUNE.plural}/status"],
                     "verbs": ["patch"],
                 }
             ],
@@ -81,11 +86,11 @@ def run_objects(ft: TPUFineTune) -> list[Obj]:
 
 def _binding(metadata: Obj, account: str, namespace: str) -> Obj:
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
+        "apiVersion": ROLE_BINDING.api_version,
+        "kind": ROLE_BINDING.kind,
         "metadata": metadata,
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": PROGRESS_ROLE},
-        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+        "roleRef": {"apiGroup": ROLE.group, "kind": ROLE.kind, "name": PROGRESS_ROLE},
+        "subjects": [{"kind": SERVICE_ACCOUNT.kind, "name": account, "namespace": namespace}],
     }
 
 
@@ -119,11 +124,12 @@ def progress_policy(name: str = POLICY_NAME) -> list[Obj]:
     return validating_policy(
         name,
         operation="UPDATE",
-        resource="tpufinetunes/status",
+        resource=f"{FINETUNE.plural}/status",
         match_conditions=[
             {
                 "name": "not-the-operator-or-an-administrator",
-                "expression": "!authorizer.group('tpuft.dev').resource('tpufinetunes').subresource('status')"
+                "expression": f"!authorizer.group('{FINETUNE.group}').resource('{FINETUNE.plural}')"
+                ".subresource('status')"
                 f".namespace(object.metadata.namespace).check('{OPERATE_VERB}').allowed()",
             }
         ],

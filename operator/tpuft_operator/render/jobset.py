@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpuft_operator.api.cel import CHECKPOINT_REQUEST_ANNOTATION, TRAINER_CONFIG_ANNOTATION
-from tpuft_operator.api.models import API_VERSION, KIND, TPUFineTune
+from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.render import naming
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import (
@@ -33,20 +33,27 @@ from tpuft_operator.topology import (
     SliceShape,
 )
 from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES, ExitCode
+from tpuft_trainer.pod_contract import (
+    CHECKPOINT_REQUEST_ANNOTATION,
+    CONFIG_DIR,
+    CONFIG_FILE,
+    CONFIG_PATH,
+    CONFIG_VOLUME,
+    COORDINATOR_ADDRESS_ENV,
+    POD_NAME_ENV,
+    POD_NAMESPACE_ENV,
+    REQUEST_FILE,
+    RESTART_ATTEMPT_ENV,
+    SLICE_INDEX_ENV,
+    TRAINER_CONFIG_ANNOTATION,
+)
 
 Obj = dict[str, Any]
 
-JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 CONTAINER = "trainer"
-CONFIG_VOLUME = "tpuft-config"
-CONFIG_DIR = "/etc/tpuft"
-CONFIG_KEY = "config.yaml"
-# The pod annotation that holds the trainer config (YAML); spec.podAnnotations may not set it.
-CONFIG_ANNOTATION = TRAINER_CONFIG_ANNOTATION
-# The file in the same volume where the operator's checkpoint requests (a pod annotation it sets when a
-# node announces maintenance) reach the trainer; the kubelet refreshes it while the pod runs. The
-# trainer config names it relative to itself (the same volume, wherever it is mounted).
-REQUEST_KEY = "checkpoint-request"
+# The names the pods and the trainer agree on (the config volume and its files, the annotations, the
+# environment) are in tpuft_trainer/pod_contract.py. The checkpoint-request file sits in the config's
+# volume, where the kubelet refreshes it while the pod runs.
 
 FINETUNE_LABEL = "tpuft.dev/finetune"
 FINETUNE_UID_LABEL = "tpuft.dev/finetune-uid"
@@ -67,8 +74,8 @@ def owner_reference(ft: TPUFineTune) -> list[Obj]:
         return []
     return [
         {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
+            "apiVersion": FINETUNE.api_version,
+            "kind": FINETUNE.kind,
             "name": ft.metadata.name,
             "uid": ft.metadata.uid,
             "controller": True,
@@ -132,11 +139,11 @@ def env(ft: TPUFineTune, jobset: str, settings: RenderSettings) -> list[Obj]:
     out: list[Obj] = [
         # Which slice this pod belongs to, and how many times the JobSet restarted (resume decision);
         # read by tpuft_trainer.world. Off GKE these replace the TPU_WORKER_* / MEGASCALE_* variables.
-        _field_env("TPUFT_SLICE_INDEX", f"metadata.labels['{JOB_INDEX_LABEL}']"),
-        _field_env("TPUFT_RESTART_ATTEMPT", f"metadata.annotations['{RESTART_ATTEMPT_ANNOTATION}']"),
-        {"name": "TPUFT_COORDINATOR_ADDRESS", "value": naming.coordinator_address(jobset)},
-        _field_env("POD_NAME", "metadata.name"),
-        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env(SLICE_INDEX_ENV, f"metadata.labels['{JOB_INDEX_LABEL}']"),
+        _field_env(RESTART_ATTEMPT_ENV, f"metadata.annotations['{RESTART_ATTEMPT_ANNOTATION}']"),
+        {"name": COORDINATOR_ADDRESS_ENV, "value": naming.coordinator_address(jobset)},
+        _field_env(POD_NAME_ENV, "metadata.name"),
+        _field_env(POD_NAMESPACE_ENV, "metadata.namespace"),
     ]
     ref = ft.spec.model.token_secret_ref
     if ref is not None:
@@ -193,7 +200,7 @@ def pod_template(
         "image": spec.image or settings.trainer_image,
         "imagePullPolicy": settings.image_pull_policy,
         # Exec form, fixed arguments: no spec value is ever parsed by a shell.
-        "command": ["tpuft", "train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "command": ["tpuft", "train", "--config", CONFIG_PATH],
         "env": env(ft, jobset, settings),
         "resources": resources(ft, shape),
         "securityContext": container_security,
@@ -215,11 +222,11 @@ def pod_template(
                 "downwardAPI": {
                     "items": [
                         {
-                            "path": CONFIG_KEY,
-                            "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"},
+                            "path": CONFIG_FILE,
+                            "fieldRef": {"fieldPath": f"metadata.annotations['{TRAINER_CONFIG_ANNOTATION}']"},
                         },
                         {
-                            "path": REQUEST_KEY,
+                            "path": REQUEST_FILE,
                             "fieldRef": {
                                 "fieldPath": f"metadata.annotations['{CHECKPOINT_REQUEST_ANNOTATION}']"
                             },
@@ -236,14 +243,14 @@ def pod_template(
     if spec.priority_class_name is not None:
         pod_spec["priorityClassName"] = spec.priority_class_name
     # The config last: validation refuses the key in spec.podAnnotations, and it would win anyway.
-    annotations = {**(spec.pod_annotations or {}), CONFIG_ANNOTATION: config_yaml}
+    annotations = {**(spec.pod_annotations or {}), TRAINER_CONFIG_ANNOTATION: config_yaml}
     return {"metadata": {"labels": common_labels(ft), "annotations": annotations}, "spec": pod_spec}
 
 
 def config_of(jobset: Obj) -> str:
     """The trainer config (YAML) a rendered or live JobSet gives its pods."""
     template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
-    return str(template["metadata"]["annotations"][CONFIG_ANNOTATION])
+    return str(template["metadata"]["annotations"][TRAINER_CONFIG_ANNOTATION])
 
 
 # The Job controller's message when a pod matches a FailJob rule on exit codes
@@ -331,8 +338,8 @@ def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: Rende
     pod_failure_policy, jobset_failure_policy = failure_policies(ft)
     hosts = shape.hosts_per_slice
     return {
-        "apiVersion": JOBSET_API_VERSION,
-        "kind": "JobSet",
+        "apiVersion": JOBSET.api_version,
+        "kind": JOBSET.kind,
         "metadata": object_metadata(ft, name, labels, annotations),
         "spec": {
             # Kueue admits a queued run by unsuspending it, so it must be created suspended.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.resources import NETWORK_POLICY
 from tpuft_operator.render import naming
 from tpuft_operator.render.jobset import FINETUNE_UID_LABEL, common_labels, object_metadata
 
@@ -24,8 +25,8 @@ def network_policy(ft: TPUFineTune) -> dict[str, Any] | None:
     name = f"{naming.jobset_name(ft.metadata.name, uid)}-net"
     own = {"matchLabels": {FINETUNE_UID_LABEL: uid}}
     return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
+        "apiVersion": NETWORK_POLICY.api_version,
+        "kind": NETWORK_POLICY.kind,
         "metadata": object_metadata(ft, name, {**common_labels(ft), "tpuft.dev/component": "network"}, {}),
         "spec": {
             "podSelector": own,

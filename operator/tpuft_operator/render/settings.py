@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpuft_trainer.pod_contract import DEFAULT_TOKEN_ENV
+
 # The one default (the operator's setting, the chart's trainerImage and `tpuft render`).
 DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
 
@@ -18,7 +20,7 @@ class RenderSettings:
     trainer_image: str = DEFAULT_TRAINER_IMAGE
     image_pull_policy: str = "IfNotPresent"
     # Environment variable that carries the hub token (from spec.model.tokenSecretRef) into the pod.
-    token_env: str = "HF_TOKEN"
+    token_env: str = DEFAULT_TOKEN_ENV
     # Time the trainer gets after SIGTERM (preemption, suspend) to finish writing a checkpoint.
     termination_grace_period_seconds: int = 60
     # When set, pods run as this non-root user and group and meet the restricted Pod Security

@@ -8,7 +8,8 @@ token is not: only the *name* of the environment variable that will hold it.
 from __future__ import annotations
 
 from tpuft_operator.api.models import TPUFineTune
-from tpuft_operator.render.jobset import REQUEST_KEY, grace_seconds
+from tpuft_operator.api.resources import FINETUNE
+from tpuft_operator.render.jobset import grace_seconds
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import SliceShape
 from tpuft_trainer.config import (
@@ -25,6 +26,7 @@ from tpuft_trainer.config import (
     TrainingConfig,
     WorldConfig,
 )
+from tpuft_trainer.pod_contract import REQUEST_FILE
 
 
 def mesh_for(ft: TPUFineTune, shape: SliceShape) -> MeshConfig:
@@ -115,8 +117,11 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             namespace=ft.metadata.namespace,
             name=ft.metadata.name,
             min_interval_seconds=settings.progress_min_interval_seconds,
+            group=FINETUNE.group,
+            version=FINETUNE.version,
+            plural=FINETUNE.plural,
         ),
         # The request file is read whatever spec.maintenance says: with `ignore` the operator just
         # never writes a request.
-        stop=StopConfig(grace_seconds=grace_seconds(ft, settings), request_file=REQUEST_KEY),
+        stop=StopConfig(grace_seconds=grace_seconds(ft, settings), request_file=REQUEST_FILE),
     )
