@@ -162,6 +162,7 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
     logging.getLogger("kopf.objects").addFilter(QuietHandlerSuccess())
     api = Api(load_client(settings.kubeconfig, connections=settings.workers))  # one per worker thread
     settings = check_workload_access(check_node_access(settings, api), api)
+    api.warm_up(settings.workers)  # a burst of runs at start-up (a restart) finds its connections open
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.bind_address)
     registry = build_registry(settings)

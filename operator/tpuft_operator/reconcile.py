@@ -49,6 +49,10 @@ WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow", "ReplicaFailure"
 # (the Job's FailedCreate events), then again after twice the wait, up to REFUSAL_CHECK_MAX.
 REFUSAL_CHECK_AFTER = 2.0
 REFUSAL_CHECK_MAX = 30.0
+# The namespace's refusal Events, once listed, serve every run that looks within this many seconds:
+# under a burst, 300 runs whose pods were slow to appear listed them ~9 times each (2766 lists at
+# N=300 in the benchmark, each of a namespace holding thousands of Events).
+REFUSAL_LIST_TTL = 2.0
 # Not refusals: with exclusive placement the JobSet pod webhook refuses a slice's followers until
 # its leader is scheduled, by design (sigs.k8s.io/jobset pkg/webhooks/pod_webhook.go, "an expected,
 # transient error"); the leader's own condition (Unschedulable) says why then.
@@ -131,6 +135,27 @@ class Created:
     error: ApiError | None = None  # retryable: the status says so and the resync retries
 
 
+class RefusalEvents:
+    """Each namespace's refusal Events (k8s.Api.creation_failures), listed at most once every
+    REFUSAL_LIST_TTL seconds whatever the number of runs that look meanwhile."""
+
+    def __init__(self) -> None:
+        self._listed: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def of(self, api: Api, namespace: str) -> list[dict[str, Any]]:
+        with self._guard:
+            lock = self._locks.setdefault(namespace, threading.Lock())
+        with lock:  # the runs that look at once wait for one list
+            listed = self._listed.get(namespace)
+            if listed is not None and time.monotonic() - listed[0] < REFUSAL_LIST_TTL:
+                return listed[1]
+            events = api.creation_failures(namespace)
+            self._listed[namespace] = (time.monotonic(), events)
+            return events
+
+
 class NamespaceIdentities:
     """Each namespace's shared trainer identity (render/identity.py), created once by this process and
     checked again every NAMESPACE_IDENTITY_RECHECK seconds, so that a deleted one comes back."""
@@ -174,6 +199,7 @@ class Reconciler:
     # Everything this process knows about each run beyond its watches (runs.py).
     runs: RunBook = field(default_factory=RunBook)
     identities: NamespaceIdentities = field(default_factory=NamespaceIdentities)
+    refusals: RefusalEvents = field(default_factory=RefusalEvents)
 
     def forget(self, finetune: Obj) -> None:
         """The run's TPUFineTune is gone: drop what this process knew of it."""
@@ -495,14 +521,14 @@ class Reconciler:
             run.refusal = check
             self._defer(run, check.due - now)
             return check.found
-        prefix = f"{jobset['metadata']['name']}-{naming.REPLICATED_JOB}-"
+        namespace, name = str(finetune["metadata"]["namespace"]), str(jobset["metadata"]["name"])
+        prefix = f"{name}-{naming.REPLICATED_JOB}-"
         try:
-            events = self.api.pod_creation_failures(
-                str(finetune["metadata"]["namespace"]), str(jobset["metadata"]["name"]), prefix
-            )
+            listed = self.refusals.of(self.api, namespace)
         except ApiError as error:
             log.warning("cannot tell why the run's pods are missing: %s", error)
-            events = []
+            listed = []
+        events = [e for e in listed if _refuses(e, jobset=name, job_prefix=prefix)]
         since = created.timestamp() if created is not None else 0.0
         recent = []
         for event in events:
@@ -670,6 +696,13 @@ def _became_unschedulable(current: Obj, derived: Obj) -> bool:
         _condition_status(derived, "Scheduled") == "False"
         and _condition_status(current, "Scheduled") != "False"
     )
+
+
+def _refuses(event: Obj, *, jobset: str, job_prefix: str) -> bool:
+    """Whether a refusal Event is of this JobSet or one of its Jobs."""
+    involved = event.get("involvedObject") or {}
+    name = str(involved.get("name") or "")
+    return name == jobset if involved.get("kind") == "JobSet" else name.startswith(job_prefix)
 
 
 def _refusal_message(event: Obj) -> str:
