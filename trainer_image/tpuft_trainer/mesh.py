@@ -6,7 +6,8 @@ axis of that name); the batch is split over ``dcn``, ``data`` and ``fsdp``. Axes
 every sharding spec names the same four axes whatever the shape.
 
 transformers' Trainer installs its own 1-D mesh in ``__init__``; ``install`` must run again after the
-Trainer is built (train.py does, and ``MeshCallback`` re-asserts it when training starts).
+Trainer is built (``fsdp_v2.use_mesh`` has compat's ``mesh_wins`` do it after every Trainer's
+``__init__``).
 """
 
 from __future__ import annotations

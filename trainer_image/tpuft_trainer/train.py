@@ -196,8 +196,16 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # report must already carry the save (on_save runs before on_train_end either way).
     trainer.add_callback(_stop_callback(stopper, attempt, config, env, is_rank_zero))
     trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero, details=attempt.to_status))
-    observer = _observer(record, config, env, is_rank_zero)
-    trainer.add_callback(observer)
+    # Then, in this order: tensor parallelism re-annotates the parameters before the record reads
+    # their sharding; at a save the record counts compiles after the stop callback has marked and
+    # uploaded the checkpoint; the test-only fault injection comes last.
+    trainer.add_callback(_tensor_parallel_callback(record))
+    recorder = _run_record_callback(record)
+    trainer.add_callback(recorder)
+    if is_rank_zero:
+        trainer.add_callback(_tensorboard_upload_callback(config))
+    if kill_at_step := int(env.get(FAULT_KILL_AT_STEP_ENV, "0") or 0):
+        trainer.add_callback(_fault_injection_callback(kill_at_step))
     counter = throughput.TokenCounter(trainer)
 
     # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position); a stop
@@ -210,7 +218,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     stopper.close()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
-    _throughput(record, observer.step_times, counter, flops.per_token(training.max_seq_length))
+    _throughput(record, recorder.step_times, counter, flops.per_token(training.max_seq_length))
     record.mfu = throughput.mfu(
         record.tokens_per_second, record.flops_per_token, devices, config.world.peak_flops_per_chip
     )
@@ -430,26 +438,44 @@ def _tensorboard(directory: Path) -> Any:
     return TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(directory)))
 
 
-def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], is_rank_zero: bool) -> Any:
-    """Records what tests and users want to know about the run: mesh in force, sharding, losses,
-    compilation counts; and the fault-injection hook."""
-    import torch_xla
+def _tensor_parallel_callback(record: RunRecord) -> Any:
+    """Megatron-style tensor parallelism (``mesh.shard_tensor_parallel``) on the wrapped model, when
+    training begins; fills ``record.tensor_parallel_weights``.
+
+    A callback, not part of the mesh set-up in ``run``, because the wrapped model it re-annotates does not
+    exist there: the Trainer wraps the model in FSDPv2 (laying every parameter out along ``fsdp``)
+    inside ``train()``. on_train_begin is the first point after the wrapping where tpuft has the model,
+    and it comes before the first step, so the optimizer's state is created in the new layout. The
+    mesh is the one in force, which the wrapping used (ours: compat.mesh_wins)."""
     from transformers import TrainerCallback
 
-    kill_at = int(env.get(FAULT_KILL_AT_STEP_ENV, "0") or 0)
-
-    class Observer(TrainerCallback):
-        def __init__(self) -> None:
-            self.step_times: list[float] = []  # monotonic time at the end of each step this process ran
-
+    class TensorParallelCallback(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             import torch_xla.distributed.spmd as xs
 
-            record.mesh_during_training = mesh_module.current_mesh_shape()
             if model is not None:
                 record.tensor_parallel_weights = mesh_module.shard_tensor_parallel(
                     model, xs.get_global_mesh()
                 )
+
+    return TensorParallelCallback()
+
+
+def _run_record_callback(record: RunRecord) -> Any:
+    """Fills the run record (``tpuft-metrics.json``, what the tests assert): the mesh in force and the
+    parameter sharding when training begins; losses, learning rates, gradient norms and DPO reward
+    figures as they are logged; evaluation losses; XLA compile counts after each step, evaluation and
+    save; and the end time of each step (``step_times``, for the throughput figures). It only observes."""
+    import torch_xla
+    from transformers import TrainerCallback
+
+    class RunRecordCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.step_times: list[float] = []  # monotonic time at the end of each step this process ran
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            record.mesh_during_training = mesh_module.current_mesh_shape()
+            if model is not None:
                 record.parameter_sharding = {
                     name: torch_xla._XLAC._get_xla_sharding_spec(param)
                     for name, param in model.named_parameters()
@@ -482,19 +508,40 @@ def _observer(record: RunRecord, config: TrainerConfig, env: Mapping[str, str], 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.step_times.append(time.monotonic())
             record.compiles_after_step[int(state.global_step)] = _compile_count()
-            if kill_at and state.global_step == kill_at:
-                log.warning("%s=%d: killing this process now", FAULT_KILL_AT_STEP_ENV, kill_at)
-                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # (The checkpoint itself is marked and uploaded by the stop callback, which runs first.)
             record.compiles_after_save[int(state.global_step)] = _compile_count()
-            if is_rank_zero:
-                logs = Path(args.output_dir) / TENSORBOARD_DIR
-                if logs.is_dir():  # TensorBoard (and Vertex AI TensorBoard) read the events as they come
-                    storage.upload(logs, config.output.uri, TENSORBOARD_DIR)
 
-    return Observer()
+    return RunRecordCallback()
+
+
+def _tensorboard_upload_callback(config: TrainerConfig) -> Any:
+    """At each save, copies ``<output>/tensorboard`` to the output URI, so TensorBoard (and Vertex AI
+    TensorBoard) read the events as they come, not only at the end. Rank 0 only: it writes them."""
+    from transformers import TrainerCallback
+
+    class TensorBoardUploadCallback(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            logs = Path(args.output_dir) / TENSORBOARD_DIR
+            if logs.is_dir():
+                storage.upload(logs, config.output.uri, TENSORBOARD_DIR)
+
+    return TensorBoardUploadCallback()
+
+
+def _fault_injection_callback(kill_at_step: int) -> Any:
+    """Fault injection for tests and chaos drills (``TPUFT_FAULT_KILL_AT_STEP``): SIGKILL this process
+    at the end of step ``kill_at_step``, as a preempted or crashed host would die (no save, no exit)."""
+    from transformers import TrainerCallback
+
+    class FaultInjectionCallback(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == kill_at_step:
+                log.warning("%s=%d: killing this process now", FAULT_KILL_AT_STEP_ENV, kill_at_step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return FaultInjectionCallback()
 
 
 def _compile_count() -> int:
