@@ -241,11 +241,14 @@ class Api:
                 with contextlib.suppress(ApiException):
                     future.result()
 
-    def post_event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
-        """Posts a core/v1 Event on ``involved`` (a run). Best effort: an Event that cannot be posted
-        is logged and dropped, never a reason to fail or retry a reconcile."""
+    def post_event(
+        self, involved: Obj, type_: str, reason: str, message: str, at: datetime | None = None
+    ) -> None:
+        """Posts a core/v1 Event on ``involved`` (a run) that happened ``at`` (default: now). Best
+        effort: an Event that cannot be posted is logged and dropped, never a reason to fail or retry
+        a reconcile."""
         meta = involved["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = (at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -23,6 +23,7 @@ from tpuft_operator.api.validation import FieldError, SpecError, parse
 from tpuft_operator.goodput import parse_time
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
+from tpuft_operator.render.identity import namespace_objects
 from tpuft_operator.runs import RefusalCheck, Render, RunBook, RunState
 from tpuft_operator.slim import slim_jobset
 from tpuft_operator.status import (
@@ -158,27 +159,35 @@ class RefusalEvents:
 
 class NamespaceIdentities:
     """Each namespace's shared trainer identity (render/identity.py), created once by this process and
-    checked again every NAMESPACE_IDENTITY_RECHECK seconds, so that a deleted one comes back."""
+    checked again every NAMESPACE_IDENTITY_RECHECK seconds, so that a deleted one comes back.
+
+    In two parts, because only one is on the path of a run's JobSet: the ServiceAccount must exist
+    before the JobSet's pods are created (the apiserver refuses a pod of a missing account), while the
+    progress Role and RoleBinding only serve the trainer's first progress report, many seconds later.
+    A RoleBinding create is slow (~100 ms on an idle apiserver, the escalation check): the first runs of
+    a namespace, which all wait for its identity, wait only for the ServiceAccount."""
 
     def __init__(self) -> None:
-        self._checked: dict[str, float] = {}
-        self._locks: dict[str, threading.Lock] = {}
+        self._checked: dict[tuple[str, bool], float] = {}
+        self._locks: dict[tuple[str, bool], threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def ensure(self, api: Api, rendered: RenderedRun, log: logging.Logger) -> None:
-        namespace = str(rendered.jobset["metadata"]["namespace"])
+    def ensure(self, api: Api, namespace: str, log: Log, *, before_jobset: bool) -> None:
+        """Creates what is missing of the namespace's identity: its ServiceAccount (``before_jobset``)
+        or the rest."""
+        part = (namespace, before_jobset)
         with self._guard:
-            lock = self._locks.setdefault(namespace, threading.Lock())
+            lock = self._locks.setdefault(part, threading.Lock())
         # One reconcile per namespace does it; the burst of first runs in a namespace waits for it
-        # instead of racing to create the same three objects (each racer would get 409s).
+        # instead of racing to create the same objects (each racer would get 409s).
         with lock:
-            checked = self._checked.get(namespace)
+            checked = self._checked.get(part)
             if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
                 return
-            for obj in rendered.namespace_objects:
-                if api.ensure(obj):
+            for obj in namespace_objects(namespace):
+                if (obj["kind"] == "ServiceAccount") == before_jobset and api.ensure(obj):
                     log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
-            self._checked[namespace] = time.monotonic()
+            self._checked[part] = time.monotonic()
 
 
 @dataclass
@@ -270,6 +279,8 @@ class Reconciler:
             jobset = created.jobset
         elif jobset is not None:
             self._adopt_unrecorded(run, finetune, jobset, log)
+        if jobset is not None:
+            self._ensure_progress_identity(run.key[0], log)
         workload = self._hold_or_release(finetune, workload, decision, log)
         jobset = self._suspend_or_resume(finetune, jobset, decision, event, log)
         if jobset is not None:
@@ -339,7 +350,7 @@ class Reconciler:
         assert rendered is not None
         jobset: Obj | None = None
         try:
-            self.identities.ensure(self.api, rendered, self.log)
+            self.identities.ensure(self.api, run.key[0], self.log, before_jobset=True)
             for rendered_obj in rendered.objects:
                 obj: Obj = rendered_obj
                 if obj["kind"] == "JobSet" and recreated:
@@ -372,6 +383,15 @@ class Reconciler:
             # Said in the status (a webhook or the apiserver is down); logged, and the resync retries.
             return Created(jobset=jobset, error=error)
         return Created(jobset=jobset)
+
+    def _ensure_progress_identity(self, namespace: str, log: Log) -> None:
+        """The namespace's progress Role and RoleBinding, once its run has a JobSet (see
+        NamespaceIdentities). A failure only delays the trainers' progress reports: it is logged, and
+        the next reconcile of any run of the namespace tries again."""
+        try:
+            self.identities.ensure(self.api, namespace, self.log, before_jobset=False)
+        except ApiError as error:
+            log.warning("cannot create the namespace's progress Role and RoleBinding yet: %s", error)
 
     def _adopt_unrecorded(self, run: RunState, finetune: Obj, jobset: Obj, log: Log) -> None:
         """Says so when this process takes over a JobSet that no status records.

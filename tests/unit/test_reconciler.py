@@ -129,6 +129,9 @@ def test_a_new_run_costs_its_jobset_and_one_status_write_with_settling() -> None
         ("ensure", "Role"),
         ("ensure", "RoleBinding"),
     ]
+    # Only the account is on the JobSet's path: its pods need it; the progress RBAC comes after.
+    assert writes.index(("ensure", "ServiceAccount")) < writes.index(("create", "JobSet"))
+    assert writes.index(("create", "JobSet")) < writes.index(("ensure", "Role"))
     assert events.posted == ["JobSetCreated", "Running"]
 
 

@@ -153,3 +153,44 @@ def test_a_store_moves_an_object_whose_label_changed_and_returns_copies() -> Non
     assert store.get(("ns", "a")) is None and store[("ns", "b")] == [{"v": 2}]
     assert store.uids("ns") == {"u-1"} and store.uids("other") == set()
     assert store.discard("u-1") == {"v": 2} and len(store) == 0
+
+
+def test_events_are_posted_off_the_worker_with_the_time_they_happened() -> None:
+    import threading
+    from datetime import UTC, datetime
+
+    from tpuft_operator.runtime import EventPoster
+
+    release, posted = threading.Event(), []
+
+    def slow_post(obj: Any, type_: str, reason: str, message: str, at: datetime) -> None:
+        release.wait(5)  # an apiserver slow to answer
+        posted.append((reason, at))
+
+    poster = EventPoster(slow_post, threads=1, limit=2)
+    poster.start()
+    before = datetime.now(UTC)
+    poster(finetune("run", "u-1"), "Normal", "JobSetCreated", "created")  # returns at once
+    poster(finetune("run", "u-1"), "Normal", "Running", "running")
+    release.set()
+    deadline = time.monotonic() + 5
+    while len(posted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    poster.stop()
+    assert [reason for reason, _ in posted] == ["JobSetCreated", "Running"]
+    assert all(before <= at <= datetime.now(UTC) for _, at in posted)
+
+
+def test_events_beyond_the_limit_are_dropped_not_waited_for() -> None:
+    from tpuft_operator.runtime import EventPoster
+
+    posted = []
+    poster = EventPoster(lambda obj, t, reason, m, at: posted.append(reason), threads=1, limit=1)
+    poster(finetune("run", "u-1"), "Normal", "A", "")  # not started: waits in the queue
+    poster(finetune("run", "u-1"), "Normal", "B", "")  # full: dropped (and logged)
+    poster.start()
+    deadline = time.monotonic() + 5
+    while not posted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    poster.stop()
+    assert posted == ["A"]
