@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuft_operator import maintenance, metrics, queueing
-from tpuft_operator.api.models import Phase
+from tpuft_operator.api.models import Phase, TPUFineTune
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
-from tpuft_operator.api.validation import FieldError, SpecError, parse
+from tpuft_operator.api.validation import FieldError, SpecError, parse_run
 from tpuft_operator.goodput import parse_time
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
@@ -306,8 +306,6 @@ class Reconciler:
         """The run's render (cached per spec generation; only the shape once its JobSet exists), and
         the admin policy's verdict when its objects are about to be created."""
         result = self._render(run, finetune, full=objects_needed)
-        if objects_needed and not isinstance(result, SpecError):
-            result = self._check_policy(finetune) or result
         if isinstance(result, SpecError):
             return Desired(spec_error=(result.field, result.reason))
         if isinstance(result, RenderedRun):
@@ -316,28 +314,35 @@ class Reconciler:
 
     def _render(self, run: RunState, finetune: Obj, *, full: bool) -> Render:
         """The run's render, or only its shape when a cached one will do (``full``: the objects are
-        needed, to create them)."""
+        needed, to create them; then the admin policy judges the spec too). The spec is parsed and
+        validated once (`parse_run`: its shape resolved), and rendered from that."""
         generation = int(finetune["metadata"].get("generation") or 0)
         cached = run.render
         fresh = cached is not None and run.render_generation == generation
-        if fresh and cached is not None and not (full and isinstance(cached, SliceShape)):
+        if fresh and cached is not None and not full:
             return cached
-        # The desired state depends on the spec alone; status and server-set metadata stay out.
         result: Render
         try:
-            result = render_run(_desired_part(finetune), self.render_settings)
+            # The desired state depends on the spec alone; status and server-set metadata stay out.
+            validated = parse_run(_desired_part(finetune))
+            result = (
+                cached
+                if fresh and isinstance(cached, RenderedRun)
+                else render_run(validated, self.render_settings)
+            )
         except SpecError as error:
-            result = error
+            run.render, run.render_generation = error, generation
+            return error
         run.render, run.render_generation = result, generation
+        if full:  # not kept: the verdict is asked again whenever objects are to be created
+            return self._check_policy(validated.finetune) or result
         return result
 
-    def _check_policy(self, finetune: Obj) -> SpecError | None:
+    def _check_policy(self, finetune: TPUFineTune) -> SpecError | None:
         """The admin policy's verdict on a run about to get its JobSet (api/policy.py), as the
         admission policy gives it at creation: a run admitted before the policy was tightened keeps
         running (and is judged again only if its JobSet has to be recreated)."""
-        broken = policy_errors(
-            parse(_desired_part(finetune)), self.policy, self.render_settings.trainer_image
-        )
+        broken = policy_errors(finetune, self.policy, self.render_settings.trainer_image)
         if not broken:
             return None
         return SpecError.of([FieldError(path, reason) for path, reason in broken])
