@@ -152,6 +152,17 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(f"{n:>5} {round_ + 1:>5}  {parts[0]:<36} | {parts[1]}{reaction}")
+        cpu_o = (phases[(n, round_, mode)].get("cluster_cpu_to_all_jobsets") or {}).get("ms_per_run")
+        cpu_d = (phases[(n, round_, "direct")].get("cluster_cpu_to_all_jobsets") or {}).get("ms_per_run")
+        if cpu_o and cpu_d:
+            shown = ", ".join(
+                f"{name} {cpu_o.get(name, 0):.0f}/{cpu_d.get(name, 0):.0f}"
+                for name in sorted(cpu_o)
+                if cpu_o.get(name)
+            )
+            lines.append(
+                f"             cluster CPU ms per run until the last JobSet (operator/direct): {shown}"
+            )
     lines.append("targets (each figure the median of the rounds at that N):")
     for n, m in medians(results).items():
 

@@ -276,6 +276,23 @@ def proc_usage(pid: int) -> dict[str, float]:
     }
 
 
+def components_cpu(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds (user+system) so far of each of the cluster's processes (kube-apiserver, etcd, ...)."""
+    used = {}
+    for pid_file in sorted(cluster.layout.pids.glob("*.pid")):
+        try:
+            used[pid_file.stem] = proc_usage(int(pid_file.read_text()))["cpu_seconds"]
+        except (OSError, ValueError, KeyError):
+            continue  # not running
+    return used
+
+
+def cpu_between(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, Any]:
+    """Per component: CPU seconds spent between two `components_cpu` readings, and ms per run."""
+    seconds = {name: round(after[name] - before.get(name, 0.0), 2) for name in after}
+    return {"seconds": seconds, "ms_per_run": {name: round(1000 * v / n, 1) for name, v in seconds.items()}}
+
+
 def apiserver_codes(cluster: LocalCluster) -> Counter[str]:
     """apiserver_request_total summed by response code (the whole cluster, every client)."""
     url = f"{cluster.server}/metrics"
@@ -459,11 +476,13 @@ class Bench:
             )
             for run in runs
         ]
+        cpu_before = components_cpu(self.cluster)
         started = time.monotonic()
         create_all(items, sent, errors)
         created = time.monotonic() - started
         wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 300)
         all_seen = max(obs.jobset_seen.values()) - started
+        burst_cpu = cpu_between(cpu_before, components_cpu(self.cluster), n)
         codes_after = apiserver_codes(self.cluster)
         # The node pools must be free for the operator's runs: let these finish (untimed).
         wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
@@ -479,6 +498,7 @@ class Bench:
             "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
             "client_errors": {str(k): v for k, v in errors.items()},
             "apiserver_error_codes": storm_codes(codes_before, codes_after),
+            "cluster_cpu_to_all_jobsets": burst_cpu,
             "latency_breakdown": latency_breakdown(
                 self.cluster.layout.audit_log, audit_offset, ns, sent, obs.jobset_seen
             ),
@@ -534,11 +554,13 @@ class Bench:
             )
             for name in names(n)
         ]
+        cpu_before = components_cpu(self.cluster)
         started = time.monotonic()
         create_all(items, sent, errors)
         created = time.monotonic() - started
         wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 600)
         all_jobsets = max(obs.jobset_seen.values()) - started
+        burst_cpu = cpu_between(cpu_before, components_cpu(self.cluster), n)
         at_jobsets = proc_usage(pid)
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # the burst of creates only; py-spy writes its output on SIGINT
@@ -570,6 +592,7 @@ class Bench:
             "runs_succeeded": len(obs.succeeded),
             "client_errors": {str(k): v for k, v in errors.items()},
             "apiserver_error_codes": storm_codes(codes_before, codes_after),
+            "cluster_cpu_to_all_jobsets": burst_cpu,
             "operator_api": audit_requests(audit_log, offset, n),
             "latency_breakdown": latency_breakdown(audit_log, offset, ns, sent, obs.jobset_seen),
             "operator_process": {
