@@ -25,12 +25,23 @@ def _cdf(ax: Any, samples: list[float], **style: Any) -> None:
 
 
 def plot(results: dict[str, Any], path: Path = PNG) -> Path:
+    from bench.__main__ import TARGET_ALL_TO_DIRECT, TARGET_P99_TO_LIMIT, medians, round_figures
+
     phases = results["phases"]
     sizes = sorted({p["n"] for p in phases})
     colors = dict(zip(sizes, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), strict=False))
-    operator = {p["n"]: p for p in phases if p["mode"] == "operator"}
-    direct = {p["n"]: p for p in phases if p["mode"] == "direct"}
-    fig, (created, finished, cost) = plt.subplots(1, 3, figsize=(17, 5))
+    by_round = {(p["n"], p.get("round", 0), p["mode"]): p for p in phases}
+    # The distributions of one round per N: the round whose p99/limit is the median of that N's.
+    operator, direct = {}, {}
+    for n in sizes:
+        rounds = sorted(
+            (round_figures(by_round[(n, r, "operator")], by_round[(n, r, "direct")])["p99_to_limit"] or 0, r)
+            for (m, r, mode) in by_round
+            if m == n and mode == "operator" and (n, r, "direct") in by_round
+        )
+        chosen = rounds[len(rounds) // 2][1]
+        operator[n], direct[n] = by_round[(n, chosen, "operator")], by_round[(n, chosen, "direct")]
+    fig, (created, finished, cost, targets) = plt.subplots(1, 4, figsize=(22, 5))
 
     for n in sizes:
         _cdf(created, operator[n]["create_to_jobset_samples"], color=colors[n], label=f"operator N={n}")
@@ -69,6 +80,28 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
                       xytext=(0, 8), ha="center", fontsize=8)  # fmt: skip
     cost.legend(fontsize=8, loc="lower left")
     cost.grid(alpha=0.3)
+
+    summary = medians(results)
+    for name, marker, target in (
+        ("p99_to_limit", "o", TARGET_P99_TO_LIMIT),
+        ("all_to_direct", "s", TARGET_ALL_TO_DIRECT),
+    ):
+        label = "p99 create->JobSet / limit" if name == "p99_to_limit" else "time to all JobSets / direct"
+        line = targets.plot(ns, [summary[n][name] for n in ns], marker + "-", label=f"{label} (median)")
+        for n in ns:
+            values = [f[name] for f in summary[n]["rounds"] if f[name] is not None]
+            targets.plot([n] * len(values), values, marker, color=line[0].get_color(), alpha=0.35)
+        targets.axhline(target, color=line[0].get_color(), ls=":", lw=1)
+    targets.set(
+        xscale="log",
+        xlabel="N (runs applied at once)",
+        ylabel="ratio (dotted: target)",
+        title="against the targets",
+    )
+    targets.set_xticks(ns, [str(n) for n in ns])
+    targets.set_ylim(bottom=0)
+    targets.legend(fontsize=8)
+    targets.grid(alpha=0.3)
 
     machine = results.get("machine", {})
     fig.suptitle(

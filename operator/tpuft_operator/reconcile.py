@@ -178,9 +178,16 @@ class NamespaceIdentities:
         part = (namespace, before_jobset)
         with self._guard:
             lock = self._locks.setdefault(part, threading.Lock())
-        # One reconcile per namespace does it; the burst of first runs in a namespace waits for it
-        # instead of racing to create the same objects (each racer would get 409s).
-        with lock:
+        checked = self._checked.get(part)
+        if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
+            return
+        # One reconcile per namespace does it. The burst of first runs in a namespace waits for the
+        # ServiceAccount (their pods need it) instead of racing to create it (each racer would get a
+        # 409); for the rest nobody waits: another reconcile is on it (and the next one retries if
+        # that one fails). Waiting there held every worker behind two slow RBAC creates.
+        if not lock.acquire(blocking=before_jobset):
+            return
+        try:
             checked = self._checked.get(part)
             if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
                 return
@@ -188,6 +195,8 @@ class NamespaceIdentities:
                 if (obj["kind"] == "ServiceAccount") == before_jobset and api.ensure(obj):
                     log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
             self._checked[part] = time.monotonic()
+        finally:
+            lock.release()
 
 
 @dataclass

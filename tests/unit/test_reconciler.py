@@ -509,3 +509,36 @@ def test_runs_that_look_for_refusals_at_once_share_one_list_of_the_namespace() -
         js["metadata"].update(name=f"r{i}", ownerReferences=[{**OURS[0], "name": f"r{i}", "uid": f"u-{i}"}])
         r.reconcile(run, js, [], event=Events())
     assert [c for c in api.calls if c[0] == "events"] == [("events", "ns")]
+
+
+def test_no_run_waits_for_another_run_s_progress_rbac() -> None:
+    """The namespace's progress Role and RoleBinding are made by one reconcile after its JobSet; the
+    other runs of the burst go on (they waited behind it: every worker held by two RBAC creates)."""
+    import threading
+
+    release, creating = threading.Event(), threading.Event()
+
+    class SlowRbacApi(RecordingApi):
+        def ensure(self, obj: Mapping[str, Any]) -> bool:
+            if obj["kind"] == "Role":
+                creating.set()
+                release.wait(10)
+            return super().ensure(obj)
+
+    api = SlowRbacApi()
+    r, _ = reconciler(api)
+    first = threading.Thread(target=r.reconcile, args=(new_run(), None, []), kwargs={"event": Events()})
+    first.start()
+    assert creating.wait(10)
+    other = new_run()
+    other["metadata"].update(name="other", uid="u-2")
+    r.reconcile(other, None, [], event=Events())
+    assert first.is_alive()  # it returned while the first run's Role was still being made
+    assert ("create", "JobSet") in api.calls and api.calls.count(("create", "JobSet")) == 2
+    release.set()
+    first.join(10)
+    assert [c for c in api.calls if c[0] == "ensure"] == [
+        ("ensure", "ServiceAccount"),
+        ("ensure", "Role"),
+        ("ensure", "RoleBinding"),
+    ]
