@@ -127,8 +127,19 @@ class EventPoster:
     posted), so `kubectl describe` orders them right although several threads post them. Bounded:
     past `limit` waiting Events (an apiserver down for long) new ones are dropped, and logged."""
 
-    def __init__(self, post: PostEvent, *, threads: int = 4, limit: int = 10_000) -> None:
+    def __init__(
+        self,
+        post: PostEvent,
+        *,
+        threads: int = 4,
+        limit: int = 10_000,
+        busy: Callable[[], bool] = lambda: False,
+        hold_seconds: float = 5.0,
+    ) -> None:
+        """``busy``: while it says so (JobSets are being created), an Event waits, at most
+        ``hold_seconds`` after it happened: its POST would compete with the creates."""
         self._post = post
+        self._busy, self._hold = busy, hold_seconds
         self._threads = threads
         self._queue: queue.Queue[tuple[Mapping[str, Any], str, str, str, datetime] | None] = queue.Queue(
             limit
@@ -156,6 +167,9 @@ class EventPoster:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            due = time.monotonic() + max(0.0, self._hold - (datetime.now(UTC) - item[4]).total_seconds())
+            while self._busy() and time.monotonic() < due:
+                time.sleep(0.05)
             try:
                 self._post(*item)
             except Exception:  # best effort: an Event is never worth a dead poster
@@ -181,8 +195,8 @@ class Runtime:
         self.workers = workers
         self.resync_seconds = resync_seconds
         self.watches = watches or Watches()
-        self.events = EventPoster(post_event)
         self.queue = WorkQueue(waited=metrics.QUEUE_WAIT_SECONDS.observe)
+        self.events = EventPoster(post_event, busy=self.queue.creating)
         self.views = Views(self.watches.finetunes, self.watches.jobsets, self.watches.pods)
         self.reconciler: Reconciler | None = None
         # The run of each JobSet, (namespace, JobSet name) -> run name: a Workload names only its JobSet.

@@ -9,7 +9,10 @@ are by then. So:
   queued again when that reconcile ends, so the last event is never missed);
 - runs that still need their JobSet go first: creating JobSets is what users wait for, while a
   status that says Running a second later costs them nothing. Under a burst of 300 creates the
-  pod events of the first runs no longer delay the creation of the last ones.
+  pod events of the first runs no longer delay the creation of the last ones;
+- while JobSets are being created (`creating()`: runs needing one wait or are being reconciled, or
+  one was marked within QUIET_SECONDS), the other runs wait, up to HOLD_SECONDS each: their status
+  writes would compete with the creates for the same API server.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from collections import deque
 from collections.abc import Callable
 
 Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
+# A burst of creates counts as going on this long after its last mark (the gaps between arrivals).
+QUIET_SECONDS = 0.3
+# No run waits longer than this for a burst of creates to end.
+HOLD_SECONDS = 5.0
 
 
 class WorkQueue:
@@ -34,6 +41,8 @@ class WorkQueue:
         self._waiting: dict[Key, bool] = {}
         self._processing: set[Key] = set()
         self._marked_at: dict[Key, float] = {}  # the first mark of each waiting run (monotonic)
+        self._creating: set[Key] = set()  # urgent runs being reconciled
+        self._last_urgent = float("-inf")  # when a run was last marked urgent (monotonic)
         self._closed = False
 
     def add(self, key: Key, *, urgent: bool = False) -> None:
@@ -46,6 +55,8 @@ class WorkQueue:
                 return  # already waiting, at this priority or a higher one
             self._waiting[key] = urgent
             self._marked_at.setdefault(key, time.monotonic())
+            if urgent:
+                self._last_urgent = time.monotonic()
             if key not in self._processing:
                 (self._urgent if urgent else self._normal).append(key)
                 self._cond.notify()
@@ -55,22 +66,65 @@ class WorkQueue:
         The caller must call ``done(key)`` when the reconcile ends, whatever its outcome."""
         with self._cond:
             while not self._closed:
-                for queue in (self._urgent, self._normal):
-                    while queue:
-                        key = queue.popleft()
-                        if key in self._waiting and key not in self._processing:
-                            del self._waiting[key]
-                            self._processing.add(key)
-                            marked = self._marked_at.pop(key, None)
-                            if self._waited is not None and marked is not None:
-                                self._waited(time.monotonic() - marked)
-                            return key
-                self._cond.wait()
+                key = self._pop(self._urgent)
+                if key is not None:
+                    self._creating.add(key)
+                    return self._take(key)
+                hold = self._hold()
+                if hold <= 0:
+                    key = self._pop(self._normal)
+                    if key is not None:
+                        return self._take(key)
+                    self._cond.wait()
+                else:
+                    self._cond.wait(hold)
             return None
+
+    def creating(self) -> bool:
+        """Whether a burst of JobSet creation is going on (see the module's docstring)."""
+        with self._cond:
+            return self._creating_now(time.monotonic())
+
+    def _creating_now(self, now: float) -> bool:
+        return bool(self._creating) or any(self._waiting.values()) or now - self._last_urgent < QUIET_SECONDS
+
+    def _hold(self) -> float:
+        """Seconds the next normal run should still wait (0: take it now)."""
+        now = time.monotonic()
+        if not self._creating_now(now):
+            return 0.0
+        oldest = next((self._marked_at.get(k) for k in self._normal if k in self._waiting), None)
+        if oldest is None:
+            return 0.0
+        hold = oldest + HOLD_SECONDS - now
+        if hold <= 0:
+            return 0.0
+        # Wake up when the quiet period ends (nothing notifies then), or when the hold does; the end of
+        # an urgent reconcile notifies (`done`).
+        quiet_ends = self._last_urgent + QUIET_SECONDS - now
+        return min(hold, quiet_ends) if quiet_ends > 0 else hold
+
+    def _pop(self, queue: deque[Key]) -> Key | None:
+        while queue:
+            key = queue.popleft()
+            if key in self._waiting and key not in self._processing:
+                return key
+        return None
+
+    def _take(self, key: Key) -> Key:
+        del self._waiting[key]
+        self._processing.add(key)
+        marked = self._marked_at.pop(key, None)
+        if self._waited is not None and marked is not None:
+            self._waited(time.monotonic() - marked)
+        return key
 
     def done(self, key: Key) -> None:
         with self._cond:
             self._processing.discard(key)
+            if key in self._creating:
+                self._creating.discard(key)
+                self._cond.notify_all()  # the held runs look again
             if key in self._waiting and not self._closed:
                 (self._urgent if self._waiting[key] else self._normal).append(key)
                 self._cond.notify()

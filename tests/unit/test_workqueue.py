@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from tpuft_operator.workqueue import WorkQueue
 
@@ -108,3 +109,29 @@ def test_close_wakes_every_waiting_worker() -> None:
     assert results == [None, None, None]
     queue.add(A)
     assert len(queue) == 0
+
+
+def test_status_work_waits_while_jobsets_are_being_created_but_not_for_ever(monkeypatch: Any) -> None:
+    from tpuft_operator import workqueue
+
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
+    queue = WorkQueue()
+    queue.add(A)  # a run whose status is to be written
+    queue.add(B, urgent=True)  # a run that needs its JobSet
+    assert queue.get() == B
+    assert queue.creating()
+    got: list[Any] = []
+    taker = threading.Thread(target=lambda: got.append(queue.get()))
+    taker.start()
+    taker.join(0.5)
+    assert got == [] and taker.is_alive()  # A waits while B's JobSet is being created
+    queue.done(B)
+    taker.join(5)
+    assert got == [A] and not queue.creating()
+    queue.done(A)
+    # However long creation goes on, a waiting run is taken HOLD_SECONDS after it was marked.
+    monkeypatch.setattr(workqueue, "HOLD_SECONDS", 0.0)
+    queue.add(C, urgent=True)
+    assert queue.get() == C
+    queue.add(A)
+    assert queue.creating() and queue.get() == A
