@@ -3,10 +3,10 @@ without kopf's per-object processing.
 
 kopf turns every watch event into a per-object task that recalls the object's memory, builds three
 loggers, runs the index functions and the handlers through its handler machinery and applies an empty
-patch: 1.3-3 ms of the event loop per event on the benchmark machine (`python -m bench kopf-path`),
-and a run brings ~10 events (its TPUFineTune and status writes, its JobSet's and pods' changes). One
-loop thread at ~2 ms per event takes no more than ~45 runs a second, which is where the operator's
-JobSet creation topped out (docs/benchmarks.md). Here an event costs what it must: kopf's client
+patch: 0.7-3 ms of the event loop per event on the benchmark machine (`python -m bench kopf-path`;
+more under load), and a run brings ~10 events (its TPUFineTune and status writes, its JobSet's and
+pods' changes). One loop thread at ~2 ms per event takes no more than ~45 runs a second, which is
+where the operator's JobSet creation topped out (docs/benchmarks.md). Here an event costs what it must: kopf's client
 decodes it, a slim copy (slim.py) replaces the last one in a `Store`, and the run is marked.
 
 kopf still provides everything around it: the credentials (its login handler and vault), the watch
