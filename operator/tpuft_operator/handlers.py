@@ -11,6 +11,7 @@ object and no finalizer is added: deleting a TPUFineTune is never blocked, even 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -26,7 +27,10 @@ NODES = NODE.gvp
 TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
 
 
-def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry:
+def build_registry(
+    operator_settings: OperatorSettings,
+    configure: Callable[[kopf.OperatorSettings], None] = lambda kopf_settings: None,
+) -> kopf.OperatorRegistry:
     """All handlers, registered on a fresh registry (so settings apply and tests can build their own).
 
     The memo carries the `runtime` (runtime.Runtime) and the `reconciler` it feeds (main.build_memo).
@@ -67,6 +71,7 @@ def build_registry(operator_settings: OperatorSettings) -> kopf.OperatorRegistry
 
     @kopf.on.startup(registry=registry)
     async def start_runtime(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings)  # first: the runtime's watches read their selectors and timeouts from it
         memo.runtime.start(memo.reconciler, settings)
 
     @kopf.on.cleanup(registry=registry)

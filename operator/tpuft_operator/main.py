@@ -165,13 +165,11 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
     api.warm_up(settings.workers)  # a burst of runs at start-up (a restart) finds its connections open
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.bind_address)
-    registry = build_registry(settings)
-
-    @kopf.on.startup(registry=registry)
-    def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings, _operator_settings)
-
-    _operator_settings = settings
+    # kopf's settings are configured by the first startup handler, before the runtime opens its
+    # watches (which read their label selectors and timeouts from them).
+    registry = build_registry(
+        settings, configure=lambda kopf_settings: configure_kopf(kopf_settings, settings)
+    )
     liveness = (
         f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     )

@@ -172,9 +172,11 @@ class NamespaceIdentities:
         self._locks: dict[tuple[str, bool], threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def ensure(self, api: Api, namespace: str, log: Log, *, before_jobset: bool) -> None:
+    def ensure(self, api: Api, namespace: str, log: Log, *, before_jobset: bool, wait: bool = False) -> None:
         """Creates what is missing of the namespace's identity: its ServiceAccount (``before_jobset``)
-        or the rest."""
+        or the rest. ``wait``: for the rest too, wait while another reconcile creates it (a run's own
+        progress RoleBinding binds the namespace's Role, which must exist first: the apiserver's
+        escalation check reads it, 404 otherwise)."""
         part = (namespace, before_jobset)
         with self._guard:
             lock = self._locks.setdefault(part, threading.Lock())
@@ -185,7 +187,7 @@ class NamespaceIdentities:
         # ServiceAccount (their pods need it) instead of racing to create it (each racer would get a
         # 409); for the rest nobody waits: another reconcile is on it (and the next one retries if
         # that one fails). Waiting there held every worker behind two slow RBAC creates.
-        if not lock.acquire(blocking=before_jobset):
+        if not lock.acquire(blocking=before_jobset or wait):
             return
         try:
             checked = self._checked.get(part)
@@ -365,6 +367,8 @@ class Reconciler:
         jobset: Obj | None = None
         try:
             self.identities.ensure(self.api, run.key[0], self.log, before_jobset=True)
+            if rendered.identity:  # the run's own RoleBinding (spec.serviceAccountName) binds the Role
+                self.identities.ensure(self.api, run.key[0], self.log, before_jobset=False, wait=True)
             for rendered_obj in rendered.objects:
                 obj: Obj = rendered_obj
                 if obj["kind"] == "JobSet" and recreated:

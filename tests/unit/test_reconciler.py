@@ -542,3 +542,19 @@ def test_no_run_waits_for_another_run_s_progress_rbac() -> None:
         ("ensure", "Role"),
         ("ensure", "RoleBinding"),
     ]
+
+
+def test_a_run_with_its_own_account_gets_the_namespace_role_before_its_rolebinding() -> None:
+    """Its RoleBinding binds the namespace's progress Role; the apiserver's escalation check reads
+    that Role, so creating the binding first is a 404 (found by tests/e2e/test_gitops.py)."""
+    from tpuft_operator.api.policy import AdminPolicy
+
+    api = RecordingApi()
+    r, _ = reconciler(api)
+    r.policy = AdminPolicy(service_accounts=("team-trainer",))  # the admin allows the team's account
+    run = new_run()
+    run["spec"]["serviceAccountName"] = "team-trainer"
+    r.reconcile(run, None, [], event=Events())
+    writes = api.writes()
+    assert writes.index(("ensure", "Role")) < writes.index(("create", "RoleBinding"))
+    assert writes.index(("create", "RoleBinding")) < writes.index(("create", "JobSet"))
