@@ -1,7 +1,7 @@
 """The reconcile step: from one TPUFineTune and what exists for it, to API calls. Level-triggered.
 
 Every event (of the TPUFineTune, its JobSet, or one of its pods) and a periodic resync lead here with
-the latest observed objects, taken from the operator's in-memory indexes (no list calls per event).
+the latest observed objects, taken from the operator's in-memory stores (no list calls per event).
 What to do is decided by the pure `decide`; `Reconciler.reconcile` only carries it out. Running it
 twice does no harm: objects are created by deterministic name (adopted if they exist) and the
 status is patched only when it differs.

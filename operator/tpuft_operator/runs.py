@@ -1,6 +1,6 @@
 """What the operator knows about each run beyond what its watches show: one `RunState` per run.
 
-The watches (kopf's indexes) hold the latest TPUFineTune, JobSet and pods of every run. A few things
+The watches (watches.py) hold the latest TPUFineTune, JobSet and pods of every run. A few things
 are known only to this process, because it did them and the watches may not have caught up yet: the
 status it last wrote, the JobSet it created, when it created it, the run's render, the last look at
 refused pods, and when a deferred reconcile is due. They live in one object per run, keyed by the

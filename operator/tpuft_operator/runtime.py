@@ -66,7 +66,8 @@ class Observation:
 
 @dataclass
 class Views:
-    """kopf's in-memory indexes, keyed by (namespace, the run label's value) except the nodes'."""
+    """What the reconcile reads of the watches: the stores of watches.py (TPUFineTunes, JobSets, pods)
+    and kopf's indexes (nodes, Workloads), keyed by (namespace, the run label's value) except the nodes'."""
 
     finetunes: Mapping[Key, list[Slim]]
     jobsets: Mapping[Key, list[Slim]]

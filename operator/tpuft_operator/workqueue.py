@@ -1,7 +1,7 @@
 """The queue of runs waiting to be reconciled, with the guarantees of client-go's workqueue.
 
 Every watch event of a run (its TPUFineTune, JobSet and pods: ~10 per run) only *marks* the run as
-needing a reconcile; worker threads take runs from here and reconcile each from the indexes as they
+needing a reconcile; worker threads take runs from here and reconcile each from the watches' stores as they
 are by then. So:
 - a run waits here at most once, however many events arrive for it meanwhile (a burst of pod
   events costs one reconcile, not one each);
