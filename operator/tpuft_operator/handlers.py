@@ -1,12 +1,12 @@
-"""kopf registrations, and nothing else: each handler hands its event to the worker runtime.
+"""kopf registrations, and nothing else: its login, and the start and stop of the worker runtime.
 
-The runtime (runtime.py) watches the TPUFineTunes, their JobSets and their pods itself, on kopf's
-watch client (watches.py), and kopf calls the handlers here for the rest: its login, the start and
-stop of the runtime, and the two quiet watches with their in-memory indexes: the TPU nodes
-(read-only, `--watch-nodes`: a change of their maintenance signals marks the runs on them,
-maintenance.py) and Kueue's Workloads (a queued run's status says why it waits, queueing.py; kopf
-starts that watch if the CRD appears). Handlers only mark runs; no handler stores progress on the
-object and no finalizer is added: deleting a TPUFineTune is never blocked, even with the operator down.
+The runtime (runtime.py) watches everything itself on kopf's watch client (watches.py): the
+TPUFineTunes, their JobSets and pods, the TPU nodes (`--watch-nodes`) and Kueue's Workloads
+(`--watch-workloads`). kopf's per-object processing of watch events capped JobSet creation at ~45
+runs a second (docs/benchmarks.md), and its readiness gate for indexes once held the Workloads'
+events of a long-running operator for good (Kueue installed after it; found by the e2e suite).
+No finalizer is added and nothing is stored on the objects: deleting a TPUFineTune is never blocked,
+even with the operator down.
 """
 
 from __future__ import annotations
@@ -16,15 +16,7 @@ from typing import Any
 
 import kopf
 
-from tpuft_operator import maintenance, queueing
-from tpuft_operator.api.resources import NODE, WORKLOAD
-from tpuft_operator.runtime import Key, Slim
 from tpuft_operator.settings import OperatorSettings
-from tpuft_operator.topology import ACCELERATOR_LABEL
-
-WORKLOADS = WORKLOAD.gvp
-NODES = NODE.gvp
-TPU_NODES = {ACCELERATOR_LABEL: kopf.PRESENT}
 
 
 def build_registry(
@@ -41,33 +33,6 @@ def build_registry(
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         # In a pod: the ServiceAccount token; elsewhere: $KUBECONFIG (set from --kubeconfig).
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-
-    # The TPUFineTunes, their JobSets and their pods are watched by the runtime itself (watches.py:
-    # kopf's per-object processing capped JobSet creation at ~45 runs a second). kopf keeps the
-    # watches of the nodes and Workloads, a few events an hour, and its indexes of them.
-    # The index functions are async so that they run on the event loop at once: sync ones would wait
-    # for a thread of kopf's executor. The indexes arrive as keyword arguments named after them.
-    if operator_settings.watch_workloads:
-        # Kueue's Workloads (of JobSets): a queued run's status says why it waits, and its admission
-        # and eviction become Events. Indexed by the JobSet that owns each.
-        @kopf.index(*WORKLOADS, registry=registry, id="workloads")
-        async def workloads(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Key, Slim] | None:
-            owner = queueing.workload_owner(body)
-            return {(str(namespace), owner[0]): queueing.slim_workload(body)} if owner else None
-
-        @kopf.on.event(*WORKLOADS, registry=registry)
-        async def workload_event(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-            memo.runtime.on_workload(str(namespace), body, kw)
-
-    if operator_settings.watch_nodes:
-
-        @kopf.index(*NODES, labels=TPU_NODES, id="nodes", registry=registry)
-        async def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Slim]:
-            return {name: maintenance.slim_node(body)}
-
-        @kopf.on.event(*NODES, labels=TPU_NODES, registry=registry)
-        async def node_event(type: str, name: str, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
-            memo.runtime.on_node(type, name, body, kw)
 
     @kopf.on.startup(registry=registry)
     async def start_runtime(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -21,6 +21,7 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.runtime import Runtime
 from tpuft_operator.settings import OperatorSettings
+from tpuft_operator.topology import ACCELERATOR_LABEL
 from tpuft_operator.watches import Watches
 
 log = logging.getLogger("tpuft.operator")
@@ -96,6 +97,7 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     # watch client reads the selectors from here), not every pod event of the whole cluster.
     for resource in (POD, JOBSET):
         kopf_settings.watching.label_selectors[resource.gvp] = FINETUNE_LABEL
+    kopf_settings.watching.label_selectors[NODE.gvp] = ACCELERATOR_LABEL  # only TPU nodes
     kopf_settings.peering.standalone = True
     if settings.namespaces:
         # Namespaced install: kopf would first try to list namespaces and CRDs cluster-wide, which the
@@ -143,7 +145,7 @@ def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
     runtime = Runtime(
         workers=settings.workers,
         resync_seconds=settings.resync_seconds,
-        watches=Watches(settings.namespaces),
+        watches=Watches(settings.namespaces, nodes=settings.watch_nodes, workloads=settings.watch_workloads),
         post_event=api.post_event,
     )
     reconciler = Reconciler(

@@ -1,8 +1,7 @@
 """The worker runtime: from watch events to reconciles, off the event loop.
 
-The busy watches (watches.py: the TPUFineTunes, their JobSets and pods) and kopf's handlers for the
-nodes and Kueue's Workloads (handlers.py) hand each event to a `Runtime.on_*` method, on the event
-loop; it only *marks* the runs the event concerns in the work queue (workqueue.py: each run waits
+The watches (watches.py: the TPUFineTunes, their JobSets and pods, the TPU nodes and Kueue's
+Workloads) hand each event to a `Runtime.on_*` method, on the event loop; it only *marks* the runs the event concerns in the work queue (workqueue.py: each run waits
 once, runs that need their JobSet first) and returns. `workers` threads take marked runs and
 reconcile each from the watches' latest objects (`Views`) as they are by then; they start once every
 watch has listed. A resync task marks every unfinished run every `resync_seconds` (a missed event or a
@@ -10,9 +9,6 @@ failed API call heals without anyone touching the object) and drops the state of
 
     watch events --> Runtime.on_* --> WorkQueue ------> worker threads --> Reconciler --> k8s.Api
     (one event loop)     mark        (urgent first)    Views.observe       decide, act
-
-kopf passes its indexes (of the nodes and Workloads) only to its handlers, so their first handler
-call lends them (`_lend`).
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.status import is_final
-from tpuft_operator.watches import FINETUNES, JOBSETS, PODS, Watches
+from tpuft_operator.watches import FINETUNES, JOBSETS, NODES, PODS, WORKLOADS, Watches
 from tpuft_operator.workqueue import WorkQueue
 
 Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
@@ -66,14 +62,14 @@ class Observation:
 
 @dataclass
 class Views:
-    """What the reconcile reads of the watches: the stores of watches.py (TPUFineTunes, JobSets, pods)
-    and kopf's indexes (nodes, Workloads), keyed by (namespace, the run label's value) except the nodes'."""
+    """What the reconcile reads of the watches (watches.py' stores), keyed by (namespace, the run
+    label's value), but the nodes by ("", name) and the Workloads by (namespace, their JobSet)."""
 
     finetunes: Mapping[Key, list[Slim]]
     jobsets: Mapping[Key, list[Slim]]
     pods: Mapping[Key, list[Slim]]
-    nodes: kopf.Index[str, Slim] | None = None  # with --watch-nodes
-    workloads: kopf.Index[Key, Slim] | None = None  # Kueue's, by (namespace, JobSet name)
+    nodes: Mapping[Key, list[Slim]] | None = None  # with --watch-nodes, by ("", node name)
+    workloads: Mapping[Key, list[Slim]] | None = None  # Kueue's, by (namespace, JobSet name)
 
     def finetune(self, key: Key) -> Slim | None:
         store: list[Slim] = list(self.finetunes.get((key[0], label_value(key[1]))) or [])
@@ -106,7 +102,7 @@ class Views:
         if self.nodes is not None:
             for pod in pods:
                 node_name = (pod.get("spec") or {}).get("nodeName")
-                if node_name and (node := _latest(self.nodes, node_name)) is not None:
+                if node_name and (node := _latest(self.nodes, ("", node_name))) is not None:
                     nodes[node_name] = node
         workload = None
         if jobset is not None and self.workloads is not None:
@@ -198,7 +194,8 @@ class Runtime:
         self.watches = watches or Watches()
         self.queue = WorkQueue(waited=metrics.QUEUE_WAIT_SECONDS.observe)
         self.events = EventPoster(post_event, busy=self.queue.creating)
-        self.views = Views(self.watches.finetunes, self.watches.jobsets, self.watches.pods)
+        w = self.watches
+        self.views = Views(w.finetunes, w.jobsets, w.pods, w.nodes, w.workloads)
         self.reconciler: Reconciler | None = None
         # The run of each JobSet, (namespace, JobSet name) -> run name: a Workload names only its JobSet.
         self._jobset_runs: dict[Key, str] = {}
@@ -222,6 +219,8 @@ class Runtime:
                 FINETUNES: self.on_finetune,
                 JOBSETS: lambda type_, obj: self.on_jobset(type_, *_name_and_labels(obj)),
                 PODS: lambda type_, obj: self.on_pod(_name_and_labels(obj)[0], _name_and_labels(obj)[2]),
+                NODES: lambda type_, obj: self.on_node(type_, str(obj["metadata"]["name"]), obj),
+                WORKLOADS: lambda type_, obj: self.on_workload(str(obj["metadata"]["namespace"]), obj),
             },
         )
         self.events.start()
@@ -265,16 +264,14 @@ class Runtime:
         for owner in self.views.owners(namespace, labels):
             self.queue.add((namespace, str(owner["metadata"]["name"])))
 
-    def on_workload(self, namespace: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
-        self._lend(indexes)
+    def on_workload(self, namespace: str, body: Mapping[str, Any]) -> None:
         owner = queueing.workload_owner(body)
         run = self._jobset_runs.get((namespace, owner[0])) if owner else None
         if run is not None:
             self.queue.add((namespace, run))
 
-    def on_node(self, type_: str, name: str, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> None:
+    def on_node(self, type_: str, name: str, body: Mapping[str, Any]) -> None:
         """Marks the runs on a node whose maintenance signals changed (not at every heartbeat)."""
-        self._lend(indexes)
         signals = maintenance.node_signals(body) if type_ != "DELETED" else maintenance.NodeSignals(name)
         if self._node_signals.get(name, maintenance.NodeSignals(name)) == signals:
             return
@@ -293,13 +290,6 @@ class Runtime:
         if loop is not None:
             mark = functools.partial(self.queue.add, key)
             loop.call_soon_threadsafe(lambda: loop.call_later(delay, mark))
-
-    def _lend(self, indexes: Mapping[str, Any]) -> None:
-        """kopf's indexes of nodes and Workloads, from a handler's keyword arguments."""
-        if self.views.nodes is None and "nodes" in indexes:
-            self.views.nodes = indexes["nodes"]
-        if self.views.workloads is None and "workloads" in indexes:
-            self.views.workloads = indexes["workloads"]
 
     # -- the worker threads and the resync loop --
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from kopf._cogs.clients import watching
+from kopf._cogs.clients import errors, watching
 from kopf._cogs.structs import references
 
+from tpuft_operator import maintenance, queueing
 from tpuft_operator.api import resources
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.render.naming import label_value
@@ -42,25 +43,28 @@ OnEvent = Callable[[str, Mapping[str, Any]], None]
 _log = logging.getLogger("tpuft.watches")
 
 
-def _resource(table: resources.Resource) -> references.Resource:
+def _resource(table: resources.Resource, *, namespaced: bool = True) -> references.Resource:
     """kopf's description of a resource of our table (what its watch client needs of it)."""
     return references.Resource(
         group=table.group,
         version=table.version,
         plural=table.plural,
         kind=table.kind,
-        namespaced=True,
+        namespaced=namespaced,
         verbs=frozenset({"list", "watch"}),
     )
 
 
 @dataclass(frozen=True)
 class Kind:
-    """One watched kind: its API resource, the index key of an object, and what of it is kept."""
+    """One watched kind: its API resource, the index key of an object, and what of it is kept.
+    ``optional``: its resource may not be served (Kueue not installed): the watch tries again every
+    OPTIONAL_RETRY_SECONDS until it is, and the workers do not wait for its first listing."""
 
     resource: references.Resource
     key_of: Callable[[Mapping[str, Any]], Key | None]
     slim: Callable[[Mapping[str, Any]], Slim]
+    optional: bool = False
 
 
 def _run_key(obj: Mapping[str, Any]) -> Key:
@@ -75,9 +79,26 @@ def _owner_key(obj: Mapping[str, Any]) -> Key | None:
     return (str(meta["namespace"]), str(label)) if label else None
 
 
+def _node_key(obj: Mapping[str, Any]) -> Key:
+    return ("", str(obj["metadata"]["name"]))
+
+
+def _workload_key(obj: Mapping[str, Any]) -> Key | None:
+    # By the JobSet that owns it: a Workload names only its JobSet.
+    owner = queueing.workload_owner(obj)
+    return (str(obj["metadata"]["namespace"]), owner[0]) if owner else None
+
+
 FINETUNES = Kind(_resource(resources.FINETUNE), _run_key, slim_finetune)
 JOBSETS = Kind(_resource(resources.JOBSET), _owner_key, slim_jobset)
 PODS = Kind(_resource(resources.POD), _owner_key, slim_pod)
+# The TPU nodes (server-side selector on the accelerator label, main.configure_kopf): their
+# maintenance signals (--watch-nodes). Cluster-scoped, keyed ("", name).
+NODES = Kind(_resource(resources.NODE, namespaced=False), _node_key, maintenance.slim_node)
+# Kueue's Workloads (--watch-workloads), keyed by (namespace, owning JobSet): optional, Kueue may be
+# installed after the operator starts.
+WORKLOADS = Kind(_resource(resources.WORKLOAD), _workload_key, queueing.slim_workload, optional=True)
+OPTIONAL_RETRY_SECONDS = 10.0
 
 
 class Store(Mapping[Key, list[Slim]]):
@@ -129,21 +150,38 @@ class Store(Mapping[Key, list[Slim]]):
 
 
 class Watches:
-    """The three watches, for all namespaces or for each of ``namespaces``; `listed` is set once
-    every one has delivered its first listing (before that a reconcile could see a run's JobSet as
-    missing only because it was not listed yet)."""
+    """The watches, for all namespaces or for each of ``namespaces``: the runs, their JobSets and pods,
+    and with ``nodes`` / ``workloads`` the TPU nodes and Kueue's Workloads. `listed` is set once every
+    watch of a required kind has delivered its first listing (before that a reconcile could see a
+    run's JobSet as missing only because it was not listed yet)."""
 
-    def __init__(self, namespaces: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, namespaces: tuple[str, ...] = (), *, nodes: bool = False, workloads: bool = False
+    ) -> None:
         self.namespaces: list[str | None] = list(namespaces) or [None]
         self.finetunes, self.jobsets, self.pods = Store(), Store(), Store()
+        self.nodes = Store() if nodes else None
+        self.workloads = Store() if workloads else None
         self.listed = threading.Event()
         self._pending = 3 * len(self.namespaces)
         self._tasks: list[asyncio.Task[None]] = []
 
+    def kinds(self) -> list[tuple[Kind, Store, list[str | None]]]:
+        """Each watched kind, its store and the namespaces it is watched in (None: cluster-wide)."""
+        kinds = [(FINETUNES, self.finetunes), (JOBSETS, self.jobsets), (PODS, self.pods)]
+        out = [(kind, store, self.namespaces) for kind, store in kinds]
+        if self.workloads is not None:
+            out.append((WORKLOADS, self.workloads, self.namespaces))
+        if self.nodes is not None:
+            out.append((NODES, self.nodes, [None]))
+        return out
+
     def start(self, settings: kopf.OperatorSettings, on: Mapping[Kind, OnEvent]) -> None:
         """Starts one task per kind and namespace, on the running loop (kopf's startup handler)."""
-        for kind, store in ((FINETUNES, self.finetunes), (JOBSETS, self.jobsets), (PODS, self.pods)):
-            for namespace in self.namespaces:
+        if self._pending <= 0:
+            self.listed.set()
+        for kind, store, namespaces in self.kinds():
+            for namespace in namespaces:
                 task = asyncio.create_task(self._watch(settings, kind, store, namespace, on[kind]))
                 self._tasks.append(task)
 
@@ -165,6 +203,7 @@ class Watches:
         configured = settings.networking.error_backoffs
         backoffs = [configured] if isinstance(configured, float | int) else list(configured) or [5.0]
         failures = 0
+        absent = False  # an optional kind's resource was not served at the last try
         while True:
             try:
                 async for raw in watching.infinite_watch(
@@ -180,9 +219,13 @@ class Watches:
                                 on_event("DELETED", gone)
                         listing = None
                         failures = 0
+                        if absent:
+                            _log.info("%s are served now: watching them", kind.resource.plural)
+                            absent = False
                         if first_listing:
                             first_listing = False
-                            self._listed_one()
+                            if not kind.optional:
+                                self._listed_one()
                             _log.debug("listed %s %s", kind.resource.plural, where)
                         continue
                     if not isinstance(raw, dict):
@@ -202,6 +245,17 @@ class Watches:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a watch must never die: report it and start again
+                listing = None
+                if kind.optional and isinstance(error, errors.APINotFoundError):
+                    if not absent:
+                        _log.info(
+                            "%s are not served (yet): looking again every %.0f s",
+                            kind.resource.plural,
+                            OPTIONAL_RETRY_SECONDS,
+                        )
+                    absent = True
+                    await asyncio.sleep(OPTIONAL_RETRY_SECONDS)
+                    continue
                 delay = backoffs[min(failures, len(backoffs) - 1)]
                 failures += 1
                 _log.warning(

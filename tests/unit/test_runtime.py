@@ -136,7 +136,7 @@ def test_views_observe_a_run_with_its_own_jobset_and_pods() -> None:
         finetunes={("ns", "run"): [run]},
         jobsets={("ns", "run"): [theirs, ours]},
         pods={("ns", "run"): [pod]},
-        nodes={"n1": [{"metadata": {"name": "n1"}}]},  # type: ignore[dict-item]
+        nodes={("", "n1"): [{"metadata": {"name": "n1"}}]},
     )
     seen = views.observe(("ns", "run"))
     assert seen is not None
