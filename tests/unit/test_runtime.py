@@ -194,3 +194,76 @@ def test_events_beyond_the_limit_are_dropped_not_waited_for() -> None:
         time.sleep(0.01)
     poster.stop()
     assert posted == ["A"]
+
+
+def test_a_watch_lists_then_follows_and_a_relisting_forgets_what_was_deleted_meanwhile(
+    monkeypatch: Any,
+) -> None:
+    """watches.Watches on kopf's watch stream (replaced here by the events it would yield): a listing
+    fills the store and opens the gate, later events follow, and a relisting (after a 410) drops and
+    reports what it no longer shows."""
+    import asyncio
+
+    import kopf
+    from kopf._cogs.clients import watching
+
+    from tpuft_operator import watches as watches_module
+
+    def ft(name: str, uid: str) -> dict[str, Any]:
+        return finetune(name, uid)
+
+    stream = [
+        {"type": None, "object": ft("a", "u-a")},
+        {"type": None, "object": ft("b", "u-b")},
+        watching.Bookmark.LISTED,
+        {"type": "MODIFIED", "object": ft("a", "u-a")},
+        {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}},
+        {"type": None, "object": ft("a", "u-a")},  # the relisting: b was deleted while away
+        watching.Bookmark.LISTED,
+    ]
+
+    async def fake_watch(*, settings: Any, resource: Any, namespace: Any) -> Any:
+        if resource is watches_module.FINETUNES.resource:
+            for item in stream:
+                yield item
+        else:
+            yield watching.Bookmark.LISTED
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(watching, "infinite_watch", fake_watch)
+    seen: list[tuple[str, str]] = []
+    w = watches_module.Watches(workloads=True)
+
+    async def run() -> None:
+        w.start(
+            kopf.OperatorSettings(),
+            {
+                kind: (lambda kind: lambda type_, obj: seen.append((type_, obj["metadata"]["name"])))(kind)
+                for kind, _, _ in w.kinds()
+            },
+        )
+        for _ in range(50):
+            await asyncio.sleep(0)
+        w.stop()
+
+    asyncio.run(run())
+    assert w.listed.is_set()  # the Workloads (optional) never held it
+    assert seen == [("ADDED", "a"), ("ADDED", "b"), ("MODIFIED", "a"), ("ADDED", "a"), ("DELETED", "b")]
+    assert set(w.finetunes) == {("ns", "a")}
+
+
+def test_workloads_are_kept_by_their_jobset_and_nodes_by_name() -> None:
+    from tpuft_operator.watches import NODES, WORKLOADS
+
+    workload = {
+        "metadata": {
+            "namespace": "ns",
+            "name": "jobset-run-1a2b",
+            "ownerReferences": [
+                {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": "run", "uid": "j"}
+            ],
+        }
+    }
+    assert WORKLOADS.key_of(workload) == ("ns", "run") and WORKLOADS.optional
+    assert WORKLOADS.key_of({"metadata": {"namespace": "ns", "name": "other"}}) is None  # not a JobSet's
+    assert NODES.key_of({"metadata": {"name": "tpu-node-1"}}) == ("", "tpu-node-1")
