@@ -133,8 +133,9 @@ class EventPoster:
         busy: Callable[[], bool] = lambda: False,
         hold_seconds: float = 5.0,
     ) -> None:
-        """``busy``: while it says so (JobSets are being created), an Event waits, at most
-        ``hold_seconds`` after it happened: its POST would compete with the creates."""
+        """``busy``: while it says so (JobSets are being created), a Normal Event waits, at most
+        ``hold_seconds`` after it happened: its POST would compete with the creates. Warnings (a
+        recreated JobSet, a refusal, a failure) are posted at once."""
         self._post = post
         self._busy, self._hold = busy, hold_seconds
         self._threads = threads
@@ -165,7 +166,7 @@ class EventPoster:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             due = time.monotonic() + max(0.0, self._hold - (datetime.now(UTC) - item[4]).total_seconds())
-            while self._busy() and time.monotonic() < due:
+            while item[1] == "Normal" and self._busy() and time.monotonic() < due:  # a Warning never waits
                 time.sleep(0.05)
             try:
                 self._post(*item)

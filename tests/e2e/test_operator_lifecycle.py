@@ -232,7 +232,12 @@ def test_deleted_jobset_is_recreated_while_active_but_not_after_completion(
         what="the operator to recreate the JobSet",
     )
     assert recreated["metadata"]["name"] == "fragile"
-    assert "JobSetRecreated" in {reason for reason, _ in events(local_cluster, namespace, "fragile")}
+    # Events are posted by their own threads (runtime.EventPoster): a moment after the JobSet.
+    wait_for(
+        lambda: "JobSetRecreated" in {reason for reason, _ in events(local_cluster, namespace, "fragile")},
+        timeout=15,
+        what="the JobSetRecreated Event",
+    )
     wait_phase(local_cluster, namespace, "fragile", "Succeeded", timeout=120)
 
     local_cluster.kubectl("delete", "jobset", "fragile", "-n", namespace, "--wait=true", "--timeout=60s")

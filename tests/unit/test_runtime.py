@@ -267,3 +267,17 @@ def test_workloads_are_kept_by_their_jobset_and_nodes_by_name() -> None:
     assert WORKLOADS.key_of(workload) == ("ns", "run") and WORKLOADS.optional
     assert WORKLOADS.key_of({"metadata": {"namespace": "ns", "name": "other"}}) is None  # not a JobSet's
     assert NODES.key_of({"metadata": {"name": "tpu-node-1"}}) == ("", "tpu-node-1")
+
+
+def test_a_warning_is_posted_at_once_while_jobsets_are_being_created() -> None:
+    from tpuft_operator.runtime import EventPoster
+
+    posted: list[str] = []
+    poster = EventPoster(lambda obj, t, reason, m, at: posted.append(reason), threads=1, busy=lambda: True)
+    poster.start()
+    poster(finetune("run", "u-1"), "Warning", "JobSetRecreated", "")
+    deadline = time.monotonic() + 2  # far less than its 5 s hold of Normal Events
+    while not posted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    poster.stop()
+    assert posted == ["JobSetRecreated"]
