@@ -26,6 +26,7 @@ from kopf._core.actions import lifecycles
 from kopf._core.engines import indexing
 from kopf._core.reactor import inventory, processing
 
+from bench import operator as operator_bench
 from tpuft_operator.main import QuietHandlerSuccess, configure_kopf
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.runtime import Runtime
@@ -39,26 +40,16 @@ EVENTS = 3000
 
 
 def finetune(i: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "tpuft.dev/v1alpha1",
-        "kind": "TPUFineTune",
-        "metadata": {
-            "name": f"r-{i:04d}",
-            "namespace": "bench",
-            "uid": f"u-{i}",
-            "resourceVersion": str(1000 + i),
-            "generation": 1,
-            "creationTimestamp": "2026-12-01T00:00:00Z",
-            "managedFields": [{"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:spec": {}}}],
-        },
-        "spec": {
-            "model": {"name": "meta-llama/Llama-3.2-1B"},
-            "dataset": {"name": "gs://example-bucket/data/train.jsonl"},
-            "tpu": {"type": "v5e", "topology": "2x2"},
-            "training": {"maxSteps": 10},
-            "output": {"uri": "gs://example-bucket/out"},
-        },
-    }
+    """The operator benchmark's TPUFineTune, with what the API server adds to a stored one."""
+    body = operator_bench.finetune(f"r-{i:04d}", "bench")
+    body["metadata"].update(
+        uid=f"u-{i}",
+        resourceVersion=str(1000 + i),
+        generation=1,
+        creationTimestamp="2026-12-01T00:00:00Z",
+        managedFields=[{"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:spec": {}}}],
+    )
+    return body
 
 
 def pod(i: int) -> dict[str, Any]:

@@ -219,7 +219,7 @@ class Runtime:
             {
                 FINETUNES: self.on_finetune,
                 JOBSETS: lambda type_, obj: self.on_jobset(type_, *_name_and_labels(obj)),
-                PODS: lambda type_, obj: self.on_pod(_name_and_labels(obj)[0], _name_and_labels(obj)[2]),
+                PODS: lambda type_, obj: self.on_pod(str(obj["metadata"]["namespace"]), _labels(obj)),
                 NODES: lambda type_, obj: self.on_node(type_, str(obj["metadata"]["name"]), obj),
                 WORKLOADS: lambda type_, obj: self.on_workload(str(obj["metadata"]["namespace"]), obj),
             },
@@ -357,4 +357,8 @@ class Runtime:
 
 def _name_and_labels(obj: Mapping[str, Any]) -> tuple[str, str, Mapping[str, str]]:
     meta = obj["metadata"]
-    return str(meta["namespace"]), str(meta["name"]), meta.get("labels") or {}
+    return str(meta["namespace"]), str(meta["name"]), _labels(obj)
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return obj["metadata"].get("labels") or {}
