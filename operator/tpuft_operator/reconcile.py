@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from tpuft_operator import maintenance, metrics, queueing
 from tpuft_operator.api.models import Phase, TPUFineTune
@@ -39,6 +39,7 @@ from tpuft_operator.topology import SliceShape
 from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
 Obj = Mapping[str, Any]
+K = TypeVar("K")
 # How often the shared per-namespace progress identity is re-checked (it is created once).
 NAMESPACE_IDENTITY_RECHECK = 600.0
 # (type "Normal"/"Warning", reason, message) -> posted on the TPUFineTune
@@ -136,18 +137,28 @@ class Created:
     error: ApiError | None = None  # retryable: the status says so and the resync retries
 
 
+class KeyedLocks(Generic[K]):
+    """One lock per key (a namespace, say), made on first use. Safe from any thread."""
+
+    def __init__(self) -> None:
+        self._locks: dict[K, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def of(self, key: K) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+
 class RefusalEvents:
     """Each namespace's refusal Events (k8s.Api.creation_failures), listed at most once every
     REFUSAL_LIST_TTL seconds whatever the number of runs that look meanwhile."""
 
     def __init__(self) -> None:
         self._listed: dict[str, tuple[float, list[dict[str, Any]]]] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+        self._locks: KeyedLocks[str] = KeyedLocks()
 
     def of(self, api: Api, namespace: str) -> list[dict[str, Any]]:
-        with self._guard:
-            lock = self._locks.setdefault(namespace, threading.Lock())
+        lock = self._locks.of(namespace)
         with lock:  # the runs that look at once wait for one list
             listed = self._listed.get(namespace)
             if listed is not None and time.monotonic() - listed[0] < REFUSAL_LIST_TTL:
@@ -169,8 +180,7 @@ class NamespaceIdentities:
 
     def __init__(self) -> None:
         self._checked: dict[tuple[str, bool], float] = {}
-        self._locks: dict[tuple[str, bool], threading.Lock] = {}
-        self._guard = threading.Lock()
+        self._locks: KeyedLocks[tuple[str, bool]] = KeyedLocks()
 
     def ensure(self, api: Api, namespace: str, log: Log, *, before_jobset: bool, wait: bool = False) -> None:
         """Creates what is missing of the namespace's identity: its ServiceAccount (``before_jobset``)
@@ -178,8 +188,7 @@ class NamespaceIdentities:
         progress RoleBinding binds the namespace's Role, which must exist first: the apiserver's
         escalation check reads it, 404 otherwise)."""
         part = (namespace, before_jobset)
-        with self._guard:
-            lock = self._locks.setdefault(part, threading.Lock())
+        lock = self._locks.of(part)
         checked = self._checked.get(part)
         if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
             return
