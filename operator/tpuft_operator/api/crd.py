@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from tpuft_operator.api import cel
 from tpuft_operator.api.models import (
     QUANTITY,
     SHORT_NAMES,
@@ -187,6 +188,12 @@ def schema_of(model: type[Any]) -> Schema:
 def crd() -> dict[str, Any]:
     """The TPUFineTune CRD as a dict, ready to serialise."""
     spec = schema_of(TPUFineTuneSpec)
+    for field in cel.IMMUTABLE_FIELDS:
+        prop = spec["properties"][field]
+        prop["x-kubernetes-validations"] = [
+            *prop.get("x-kubernetes-validations", []),
+            cel.immutable_field_rule(field),
+        ]
     status = schema_of(TPUFineTuneStatus)
     root: Schema = {
         "type": "object",
