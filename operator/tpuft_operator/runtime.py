@@ -130,14 +130,15 @@ class EventPoster:
         *,
         threads: int = 4,
         limit: int = 10_000,
-        busy: Callable[[], bool] = lambda: False,
+        wait_quiet: Callable[[float], object] = lambda seconds: True,
         hold_seconds: float = 5.0,
     ) -> None:
-        """``busy``: while it says so (JobSets are being created), a Normal Event waits, at most
-        ``hold_seconds`` after it happened: its POST would compete with the creates. Warnings (a
-        recreated JobSet, a refusal, a failure) are posted at once."""
+        """``wait_quiet(seconds)``: returns when JobSets are no longer being created, or after
+        ``seconds`` (`WorkQueue.wait_quiet`). A Normal Event waits for it, at most ``hold_seconds``
+        after it happened: its POST would compete with the creates. Warnings (a recreated JobSet, a
+        refusal, a failure) are posted at once."""
         self._post = post
-        self._busy, self._hold = busy, hold_seconds
+        self._wait_quiet, self._hold = wait_quiet, hold_seconds
         self._threads = threads
         self._queue: queue.Queue[tuple[Mapping[str, Any], str, str, str, datetime] | None] = queue.Queue(
             limit
@@ -165,9 +166,9 @@ class EventPoster:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            due = time.monotonic() + max(0.0, self._hold - (datetime.now(UTC) - item[4]).total_seconds())
-            while item[1] == "Normal" and self._busy() and time.monotonic() < due:  # a Warning never waits
-                time.sleep(0.05)
+            hold = self._hold - (datetime.now(UTC) - item[4]).total_seconds()
+            if item[1] == "Normal" and hold > 0:  # a Warning never waits
+                self._wait_quiet(hold)
             try:
                 self._post(*item)
             except Exception:  # best effort: an Event is never worth a dead poster
@@ -194,7 +195,7 @@ class Runtime:
         self.resync_seconds = resync_seconds
         self.watches = watches or Watches()
         self.queue = WorkQueue(waited=metrics.QUEUE_WAIT_SECONDS.observe)
-        self.events = EventPoster(post_event, busy=self.queue.creating)
+        self.events = EventPoster(post_event, wait_quiet=self.queue.wait_quiet)
         w = self.watches
         self.views = Views(w.finetunes, w.jobsets, w.pods, w.nodes, w.workloads)
         self.reconciler: Reconciler | None = None

@@ -33,12 +33,15 @@ class WorkQueue:
     def __init__(self, *, waited: Callable[[float], None] | None = None) -> None:
         """``waited``: called with the seconds each run waited, from its mark to a worker taking it."""
         self._waited = waited
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # workers wait here for a run
+        self._quiet = threading.Condition(lock)  # `wait_quiet` waits here for a burst to end
         self._urgent: deque[Key] = deque()
         self._normal: deque[Key] = deque()
         # Marked runs -> whether urgent. A run is in a deque unless it is being processed; a deque
         # may hold a stale copy of a run that was promoted or already taken (skipped when met).
         self._waiting: dict[Key, bool] = {}
+        self._urgent_waiting = 0  # how many of `_waiting` are urgent: `creating()` reads it on every get
         self._processing: set[Key] = set()
         self._marked_at: dict[Key, float] = {}  # the first mark of each waiting run (monotonic)
         self._creating: set[Key] = set()  # urgent runs being reconciled
@@ -56,6 +59,7 @@ class WorkQueue:
             self._waiting[key] = urgent
             self._marked_at.setdefault(key, time.monotonic())
             if urgent:
+                self._urgent_waiting += 1
                 self._last_urgent = time.monotonic()
             if key not in self._processing:
                 (self._urgent if urgent else self._normal).append(key)
@@ -85,8 +89,25 @@ class WorkQueue:
         with self._cond:
             return self._creating_now(time.monotonic())
 
+    def wait_quiet(self, timeout: float) -> bool:
+        """Waits until no burst of JobSet creation is going on, at most ``timeout`` seconds; returns
+        whether it has ended. For the work that should not compete with the creates (Events)."""
+        deadline = time.monotonic() + timeout
+        with self._quiet:
+            while not self._closed:
+                now = time.monotonic()
+                if not self._creating_now(now):
+                    return True
+                if now >= deadline:
+                    return False
+                # The end of the last urgent reconcile notifies (`done`); the end of the quiet period
+                # after the last urgent mark does not: wake up for it.
+                quiet_ends = self._last_urgent + QUIET_SECONDS - now
+                self._quiet.wait(min(deadline - now, quiet_ends) if quiet_ends > 0 else deadline - now)
+            return True
+
     def _creating_now(self, now: float) -> bool:
-        return bool(self._creating) or any(self._waiting.values()) or now - self._last_urgent < QUIET_SECONDS
+        return bool(self._creating) or self._urgent_waiting > 0 or now - self._last_urgent < QUIET_SECONDS
 
     def _hold(self) -> float:
         """Seconds the next normal run should still wait (0: take it now)."""
@@ -112,7 +133,8 @@ class WorkQueue:
         return None
 
     def _take(self, key: Key) -> Key:
-        del self._waiting[key]
+        if self._waiting.pop(key):
+            self._urgent_waiting -= 1
         self._processing.add(key)
         marked = self._marked_at.pop(key, None)
         if self._waited is not None and marked is not None:
@@ -125,6 +147,7 @@ class WorkQueue:
             if key in self._creating:
                 self._creating.discard(key)
                 self._cond.notify_all()  # the held runs look again
+                self._quiet.notify_all()
             if key in self._waiting and not self._closed:
                 (self._urgent if self._waiting[key] else self._normal).append(key)
                 self._cond.notify()
@@ -134,6 +157,7 @@ class WorkQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._quiet.notify_all()
 
     def __len__(self) -> int:
         """Runs waiting (not counting those being reconciled)."""

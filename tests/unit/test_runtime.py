@@ -273,7 +273,11 @@ def test_a_warning_is_posted_at_once_while_jobsets_are_being_created() -> None:
     from tpuft_operator.runtime import EventPoster
 
     posted: list[str] = []
-    poster = EventPoster(lambda obj, t, reason, m, at: posted.append(reason), threads=1, busy=lambda: True)
+    poster = EventPoster(
+        lambda obj, t, reason, m, at: posted.append(reason),
+        threads=1,
+        wait_quiet=lambda seconds: time.sleep(seconds),
+    )
     poster.start()
     poster(finetune("run", "u-1"), "Warning", "JobSetRecreated", "")
     deadline = time.monotonic() + 2  # far less than its 5 s hold of Normal Events
@@ -281,3 +285,28 @@ def test_a_warning_is_posted_at_once_while_jobsets_are_being_created() -> None:
         time.sleep(0.01)
     poster.stop()
     assert posted == ["JobSetRecreated"]
+
+
+def test_a_normal_event_waits_for_the_burst_of_creates_then_is_posted(monkeypatch: Any) -> None:
+    from tpuft_operator import workqueue
+    from tpuft_operator.runtime import EventPoster
+    from tpuft_operator.workqueue import WorkQueue
+
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
+    queue = WorkQueue()
+    posted: list[str] = []
+    poster = EventPoster(
+        lambda obj, t, reason, m, at: posted.append(reason), threads=1, wait_quiet=queue.wait_quiet
+    )
+    poster.start()
+    queue.add(("ns", "other"), urgent=True)
+    assert queue.get() == ("ns", "other")  # another run's JobSet is being created
+    poster(finetune("run", "u-1"), "Normal", "Running", "")
+    time.sleep(0.3)
+    assert posted == []  # held: its POST would compete with the create
+    queue.done(("ns", "other"))
+    deadline = time.monotonic() + 2  # far less than its 5 s hold
+    while not posted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    poster.stop()
+    assert posted == ["Running"]

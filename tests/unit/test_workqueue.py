@@ -135,3 +135,38 @@ def test_status_work_waits_while_jobsets_are_being_created_but_not_for_ever(monk
     assert queue.get() == C
     queue.add(A)
     assert queue.creating() and queue.get() == A
+
+
+def test_wait_quiet_returns_when_the_burst_of_creates_ends_or_at_its_timeout(monkeypatch: Any) -> None:
+    from tpuft_operator import workqueue
+
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
+    queue = WorkQueue()
+    assert queue.wait_quiet(0.0)  # nothing is being created
+    queue.add(A, urgent=True)
+    assert not queue.wait_quiet(0.05)  # A waits for its JobSet: the burst goes on
+    assert queue.get() == A
+    assert not queue.wait_quiet(0.05)  # and while it is being created
+    quiet: list[bool] = []
+    waiter = threading.Thread(target=lambda: quiet.append(queue.wait_quiet(30)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    started = time.monotonic()
+    queue.done(A)  # the end of the last urgent reconcile wakes the waiter, long before its timeout
+    waiter.join(5)
+    assert quiet == [True] and time.monotonic() - started < 5
+
+
+def test_a_run_promoted_to_urgent_counts_once(monkeypatch: Any) -> None:
+    from tpuft_operator import workqueue
+
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
+    queue = WorkQueue()
+    queue.add(A)
+    queue.add(A, urgent=True)  # promoted
+    queue.add(A, urgent=True)  # already urgent: nothing changes
+    assert queue.creating()
+    assert queue.get() == A
+    queue.done(A)
+    assert not queue.creating()  # its one urgent mark was taken: the count is back to zero
