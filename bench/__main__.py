@@ -55,19 +55,33 @@ def creation_limit(operator_phase: dict[str, Any], direct_phase: dict[str, Any])
     return max(bound, direct_p99) if direct_p99 is not None else None
 
 
+def additive_floor(direct_phase: dict[str, Any], alone_phase: dict[str, Any] | None) -> float | None:
+    """The least time to all N JobSets through any controller on this machine: the direct phase's
+    time plus the time the API server took for the N TPUFineTune creates alone. Both phases keep the
+    2 CPUs busy (kube-apiserver alone 14-20 ms per JobSet, ~6 per TPUFineTune), so their work adds;
+    a controller's own work (watch, render, status) only comes on top."""
+    if alone_phase is None:
+        return None
+    return float(direct_phase["seconds_to_all_jobsets"]) + float(alone_phase["client_seconds_to_send_all"])
+
+
 def _operator_errors(phase: dict[str, Any]) -> int:
     codes = phase["operator_api"]["by_code"]
     return sum(v for code, v in codes.items() if code in ("409", "429") or code.startswith("5"))
 
 
-def round_figures(o: dict[str, Any], d: dict[str, Any]) -> dict[str, float | None]:
+def round_figures(
+    o: dict[str, Any], d: dict[str, Any], alone: dict[str, Any] | None = None
+) -> dict[str, float | None]:
     """One round's figures against issue 18's targets."""
     p99, limit = o["create_to_jobset"]["p99"], creation_limit(o, d)
+    floor = additive_floor(d, alone)
     return {
         "p99": p99,
         "limit": limit,
         "p99_to_limit": p99 / limit if p99 and limit else None,
         "all_to_direct": o["seconds_to_all_jobsets"] / d["seconds_to_all_jobsets"],
+        "all_to_floor": o["seconds_to_all_jobsets"] / floor if floor else None,
         "fastest": o["create_to_jobset"].get("min") or min(o["create_to_jobset_samples"], default=None),
         "writes_to_running": o["operator_api"]["writes_to_running_without_events_mean"],
         "rss_mb": o["operator_process"]["peak_rss_mb"],
@@ -78,14 +92,15 @@ def round_figures(o: dict[str, Any], d: dict[str, Any]) -> dict[str, float | Non
 
 def medians(results: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Per N: the median over the rounds of every figure of `round_figures`, and the rounds'."""
-    pairs: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    pairs: dict[int, list[tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]]] = {}
     by_round = {(p["n"], p.get("round", 0), p["mode"]): p for p in results["phases"]}
     for (n, round_, mode), phase in sorted(by_round.items()):
         if mode == "operator" and (n, round_, "direct") in by_round:
-            pairs.setdefault(n, []).append((phase, by_round[(n, round_, "direct")]))
+            alone = by_round.get((n, round_, "finetunes-alone"))
+            pairs.setdefault(n, []).append((phase, by_round[(n, round_, "direct")], alone))
     out: dict[int, dict[str, Any]] = {}
     for n, rounds in sorted(pairs.items()):
-        figures = [round_figures(o, d) for o, d in rounds]
+        figures = [round_figures(o, d, alone) for o, d, alone in rounds]
         out[n] = {"rounds": figures}
         for name in figures[0]:
             values = [f[name] for f in figures if f[name] is not None]
@@ -108,7 +123,7 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             continue
         o, d = phases[(n, round_, mode)], phases[(n, round_, "direct")]
         c, api, proc = o["create_to_jobset"], o["operator_api"], o["operator_process"]
-        figures = round_figures(o, d)
+        figures = round_figures(o, d, phases.get((n, round_, "finetunes-alone")))
         storm = o["apiserver_error_codes"]
         done = o["jobset_completed_to_succeeded"]
         lines.append(
@@ -175,7 +190,8 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             f"  N={n} ({rounds} round{'s' if rounds > 1 else ''}): p99 {_s(m['p99'])} s vs limit {_s(m['limit'])} s ="
             f" {_s(m['p99_to_limit'])}x ({verdict((m['p99_to_limit'] or 99) <= TARGET_P99_TO_LIMIT)}, <= {TARGET_P99_TO_LIMIT}x);"
             f" all JobSets {_s(m['all_to_direct'])}x direct ({verdict(m['all_to_direct'] <= TARGET_ALL_TO_DIRECT)},"
-            f" <= {TARGET_ALL_TO_DIRECT}x); fastest {_s(m['fastest'])} s"
+            f" <= {TARGET_ALL_TO_DIRECT}x; {_s(m['all_to_floor'])}x direct + the TPUFineTune creates alone);"
+            f" fastest {_s(m['fastest'])} s"
             f" ({verdict((m['fastest'] or 99) <= TARGET_FASTEST_S)}, <= {TARGET_FASTEST_S} s);"
             f" writes to Running {_s(m['writes_to_running'])} ({verdict((m['writes_to_running'] or 99) <= TARGET_WRITES_TO_RUNNING)});"
             f" operator 409/429/5xx {m['operator_errors']:.0f} ({verdict(m['operator_errors'] == 0)});"

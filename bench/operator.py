@@ -9,6 +9,10 @@ cannot weigh on the next: deleting them is slow here, and a cluster comes up in 
 2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
    the same specs, created the same way (each carries its trainer config). The namespace's trainer
    ServiceAccount is created first, untimed, so their pods start exactly as the operator's do.
+3. *finetunes-alone*, still without the operator: the same N TPUFineTunes created into a namespace
+   of their own, timed. Every controller's phase includes this work (the TPUFineTunes' admission and
+   storage) on top of the direct phase's, and on 2 CPUs the two add up: the direct time plus this
+   one is a floor for the operator's time to all JobSets.
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
@@ -505,6 +509,38 @@ class Bench:
         }
         return result
 
+    def finetunes_alone(self, n: int) -> dict[str, Any]:
+        """The N TPUFineTune creates alone, with no operator running: the API server's share of the
+        operator phase that no controller can avoid (their admission, CEL rules, storage). On this
+        CPU-bound machine the operator phase cannot see its last JobSet sooner than the direct
+        phase's time plus this one's (`bench.__main__.additive_floor`)."""
+        ns = f"bench-alone-{n}"
+        self.namespace(ns)
+        custom = client.CustomObjectsApi(self.api)
+        group, version, plural = FINETUNE.gvp
+        items = [
+            (
+                name,
+                partial(
+                    custom.create_namespaced_custom_object, group, version, ns, plural, finetune(name, ns)
+                ),
+            )
+            for name in names(n)
+        ]
+        sent: dict[str, float] = {}
+        errors: Counter[int] = Counter()
+        cpu_before = components_cpu(self.cluster)
+        started = time.monotonic()
+        create_all(items, sent, errors)
+        created = time.monotonic() - started
+        return {
+            "mode": "finetunes-alone",
+            "n": n,
+            "client_seconds_to_send_all": round(created, 2),
+            "client_errors": {str(k): v for k, v in errors.items()},
+            "cluster_cpu": cpu_between(cpu_before, components_cpu(self.cluster), n),
+        }
+
     def operator(self, n: int, *, profile: Path | None = None) -> dict[str, Any]:
         ns = f"bench-operator-{n}"
         self.namespace(ns)
@@ -654,9 +690,11 @@ def main(
             operator_phase = bench.operator(n, profile=spy)
             print(f">> N={n}: direct JobSet creation (the limit)")
             direct_phase = bench.direct(n)
-            for phase in (direct_phase, operator_phase):
+            print(f">> N={n}: the TPUFineTune creates alone (no operator)")
+            alone_phase = bench.finetunes_alone(n)
+            for phase in (direct_phase, operator_phase, alone_phase):
                 phase["round"] = round_
-            phases += [direct_phase, operator_phase]
+            phases += [direct_phase, operator_phase, alone_phase]
             print(summary_line(direct_phase, operator_phase))
         finally:
             if not (keep_cluster and (round_, n) == plan[-1]):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.__main__ import creation_bound
+from bench.__main__ import additive_floor, creation_bound
 from bench.operator import OPERATOR_USER, audit_requests, latency_breakdown, percentiles
 
 
@@ -116,6 +116,12 @@ def test_the_bound_is_what_direct_creation_leaves_after_the_client_has_sent_ever
     assert creation_bound(operator_phase, {"seconds_to_all_jobsets": 5.0}) == pytest.approx(3.96)
     # A client slower than direct creation leaves no bound to report.
     assert creation_bound(operator_phase, {"seconds_to_all_jobsets": 0.5}) is None
+
+
+def test_the_floor_adds_the_finetune_creates_alone_to_the_direct_time() -> None:
+    direct = {"seconds_to_all_jobsets": 3.0}
+    assert additive_floor(direct, {"client_seconds_to_send_all": 1.2}) == pytest.approx(4.2)
+    assert additive_floor(direct, None) is None  # results of an older benchmark: no such phase
 
 
 def test_percentiles() -> None:
