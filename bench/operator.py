@@ -675,6 +675,7 @@ def main(
     # Round-robin over the sizes, `repeat` times: a slow minute of the machine then spreads over the
     # sizes instead of spoiling one; the report takes the median of the rounds per N.
     plan = [(round_, n) for round_ in range(repeat) for n in sizes]
+    results: dict[str, Any] = {}
     for round_, n in plan:
         print(f">> N={n} (round {round_ + 1} of {repeat}): a fresh cluster with {POOLS} v5e 2x2 node pools")
         cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
@@ -699,20 +700,21 @@ def main(
         finally:
             if not (keep_cluster and (round_, n) == plan[-1]):
                 cluster.down()
-    results = {
-        "what": "tpuft operator at scale vs direct JobSet creation, local cluster (kwok TPU nodes)",
-        "machine": machine(),
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-        "node_pools": {"type": "v5e", "topology": "2x2", "pools": POOLS, "hosts_per_pool": 1},
-        "client_threads": THREADS,
-        "rounds": repeat,
-        "phases": phases,
-    }
-    # A profiled run is slower (py-spy shares the cores): its numbers go to their own file.
-    path = RESULTS.with_name("operator-profiled.json") if profile else RESULTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
+        # Written after every round: an interrupted benchmark keeps the rounds it finished.
+        results = {
+            "what": "tpuft operator at scale vs direct JobSet creation, local cluster (kwok TPU nodes)",
+            "machine": machine(),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+            "node_pools": {"type": "v5e", "topology": "2x2", "pools": POOLS, "hosts_per_pool": 1},
+            "client_threads": THREADS,
+            "rounds": repeat,
+            "phases": phases,
+        }
+        # A profiled run is slower (py-spy shares the cores): its numbers go to their own file.
+        path = RESULTS.with_name("operator-profiled.json") if profile else RESULTS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
