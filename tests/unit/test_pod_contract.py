@@ -72,8 +72,8 @@ def test_every_name_the_renderer_adds_to_the_pod_is_reserved(doc: dict[str, Any]
 
     own_env = [e["name"] for e in container["env"]][: -len(spec["env"])]
     assert [e["name"] for e in container["env"]][len(own_env) :] == [e["name"] for e in spec["env"]]
-    # The hub token's variable is RenderSettings.token_env: reserved by the admin policy's HF_ prefix
-    # (by default), not by validation, which does not know the operator's settings.
+    # The hub token's variable (RenderSettings.token_env) is rendered only with tokenSecretRef, and
+    # validation refuses it in spec.env then (below); the admin policy's HF_ prefix reserves it too.
     assert own_env[-1] == SETTINGS.token_env == pod_contract.DEFAULT_TOKEN_ENV
     assert env_reserved(SETTINGS.token_env)
     assert tuple(own_env[:-1]) == pod_contract.RENDERED_ENV
@@ -144,6 +144,18 @@ def test_validation_refuses_every_reserved_name(part: dict[str, Any], field: str
     with pytest.raises(SpecError) as error:
         parse(doc)
     assert field in {e.field for e in error.value.errors}
+
+
+def test_the_token_variable_is_refused_in_env_only_when_the_token_comes_from_a_secret() -> None:
+    doc = finetune(EXAMPLE_FILES[0])
+    doc["spec"]["env"] = [{"name": pod_contract.DEFAULT_TOKEN_ENV, "value": "x"}]
+    doc["spec"]["model"].pop("tokenSecretRef", None)
+    parse(doc)  # the admin policy decides whether spec.env may set HF_ variables
+    doc["spec"]["model"]["tokenSecretRef"] = {"name": "hub", "key": "token"}
+    with pytest.raises(SpecError) as error:
+        parse(doc)
+    (refused,) = error.value.errors
+    assert refused.field == "spec.env[0].name" and "tokenSecretRef" in refused.reason
 
 
 def test_the_trainer_reads_only_variables_of_the_contract() -> None:

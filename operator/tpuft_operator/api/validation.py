@@ -35,7 +35,13 @@ from tpuft_operator.api.cel import (
 )
 from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import TPU_RESOURCE, SliceShape, TopologyError, resolve
-from tpuft_trainer.pod_contract import CONFIG_DIR, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_VOLUMES
+from tpuft_trainer.pod_contract import (
+    CONFIG_DIR,
+    DEFAULT_TOKEN_ENV,
+    RESERVED_ANNOTATIONS,
+    RESERVED_ENV,
+    RESERVED_VOLUMES,
+)
 
 GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -253,6 +259,14 @@ def _check(spec: TPUFineTuneSpec) -> tuple[list[FieldError], SliceShape | None]:
         if env.name in RESERVED_ENV:
             errors.append(
                 FieldError(f"spec.env[{i}].name", f"{env.name} is set by tpuft; choose another name")
+            )
+        elif env.name == DEFAULT_TOKEN_ENV and spec.model.token_secret_ref is not None:
+            # The renderer sets it from the Secret: a second entry would leave which one wins to the kubelet.
+            errors.append(
+                FieldError(
+                    f"spec.env[{i}].name",
+                    f"{env.name} is set from spec.model.tokenSecretRef; remove one of the two",
+                )
             )
         if (env.value is None) == (env.value_from is None):
             errors.append(FieldError(f"spec.env[{i}]", "set exactly one of value or valueFrom"))
