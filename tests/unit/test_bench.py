@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.__main__ import additive_floor, creation_bound
+from bench.__main__ import creation_bound, round_figures
 from bench.operator import OPERATOR_USER, audit_requests, latency_breakdown, percentiles
 
 
@@ -118,10 +118,23 @@ def test_the_bound_is_what_direct_creation_leaves_after_the_client_has_sent_ever
     assert creation_bound(operator_phase, {"seconds_to_all_jobsets": 0.5}) is None
 
 
-def test_the_floor_adds_the_finetune_creates_alone_to_the_direct_time() -> None:
-    direct = {"seconds_to_all_jobsets": 3.0}
-    assert additive_floor(direct, {"client_seconds_to_send_all": 1.2}) == pytest.approx(4.2)
-    assert additive_floor(direct, None) is None  # results of an older benchmark: no such phase
+def test_a_round_shows_the_finetune_creates_alone_when_it_has_them() -> None:
+    operator_phase = {
+        "create_to_jobset": {"p99": 2.0, "min": 0.5},
+        "create_to_jobset_samples": [],
+        "client_seconds_to_send_all": 1.0,
+        "seconds_to_all_jobsets": 4.0,
+        "operator_api": {"writes_to_running_without_events_mean": 3, "by_code": {"201": 9, "409": 1}},
+        "operator_process": {"peak_rss_mb": 90.0, "cpu_ms_per_run": 40.0},
+    }
+    direct = {"create_to_jobset": {"p99": 0.5}, "seconds_to_all_jobsets": 3.0}
+    alone = {"client_seconds_to_send_all": 1.2, "cluster_cpu": {"ms_per_run": {"kube-apiserver": 6.0}}}
+    figures = round_figures(operator_phase, direct, alone)
+    assert figures["limit"] == pytest.approx(1.98)  # 0.99 x (3.0 - 1.0), above the direct p99
+    assert figures["all_to_direct"] == pytest.approx(4 / 3)
+    assert (figures["alone_seconds"], figures["alone_apiserver_ms"]) == (1.2, 6.0)
+    assert figures["operator_errors"] == 1
+    assert round_figures(operator_phase, direct)["alone_seconds"] is None  # results of an older run
 
 
 def test_percentiles() -> None:
