@@ -588,6 +588,25 @@ class Bench:
         }
         return result
 
+    def finetune_creates(self, namespace: str, n: int) -> list[tuple[str, Callable[[], Any]]]:
+        """The N TPUFineTune creates of a phase, for `create_all`."""
+        custom = client.CustomObjectsApi(self.api)
+        group, version, plural = FINETUNE.gvp
+        return [
+            (
+                name,
+                partial(
+                    custom.create_namespaced_custom_object,
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    finetune(name, namespace),
+                ),
+            )
+            for name in names(n)
+        ]
+
     def finetunes_alone(self, n: int) -> dict[str, Any]:
         """The N TPUFineTune creates alone, with no operator running: the API server's share of the
         operator phase that no controller can avoid (their admission, CEL rules, storage), which the
@@ -595,17 +614,7 @@ class Bench:
         clients do different work (the direct one serializes N large JobSets)."""
         ns = f"bench-alone-{n}"
         self.namespace(ns)
-        custom = client.CustomObjectsApi(self.api)
-        group, version, plural = FINETUNE.gvp
-        items = [
-            (
-                name,
-                partial(
-                    custom.create_namespaced_custom_object, group, version, ns, plural, finetune(name, ns)
-                ),
-            )
-            for name in names(n)
-        ]
+        items = self.finetune_creates(ns, n)
         sent: dict[str, float] = {}
         errors: Counter[int] = Counter()
         cpu_before = components_cpu(self.cluster)
@@ -654,19 +663,9 @@ class Bench:
         )
         watcher.start()
         codes_before = apiserver_codes(self.cluster)
-        custom = client.CustomObjectsApi(self.api)
-        group, version, plural = FINETUNE.gvp
         sent: dict[str, float] = {}
         errors: Counter[int] = Counter()
-        items = [
-            (
-                name,
-                partial(
-                    custom.create_namespaced_custom_object, group, version, ns, plural, finetune(name, ns)
-                ),
-            )
-            for name in names(n)
-        ]
+        items = self.finetune_creates(ns, n)
         cpu_before = components_cpu(self.cluster)
         started = time.monotonic()
         create_all(items, sent, errors, self.threads)
