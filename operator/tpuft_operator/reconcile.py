@@ -137,6 +137,17 @@ class Created:
     error: ApiError | None = None  # retryable: the status says so and the resync retries
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What a reconcile knows of a run besides its TPUFineTune: what the watches showed, updated by the
+    reconcile's own writes (the JobSet it created, the Workload it released) before the status is derived."""
+
+    jobset: Obj | None
+    pods: Sequence[Obj]
+    nodes: Mapping[str, Obj]  # the nodes its pods run on, by name
+    workload: Obj | None  # Kueue's Workload of its JobSet
+
+
 class KeyedLocks(Generic[K]):
     """One lock per key (a namespace, say), made on first use. Safe from any thread."""
 
@@ -269,7 +280,7 @@ class Reconciler:
         started = time.perf_counter()
         with run.lock, metrics.RECONCILE_SECONDS.time():
             try:
-                self._reconcile(run, finetune, jobset, pods, nodes or {}, workload, event, log)
+                self._reconcile(run, finetune, Seen(jobset, pods, nodes or {}, workload), event, log)
                 metrics.RECONCILES.labels(result="ok").inc()
             except Exception:
                 metrics.RECONCILES.labels(result="error").inc()
@@ -277,21 +288,11 @@ class Reconciler:
             finally:
                 log.debug("reconciled in %.3fs", time.perf_counter() - started)
 
-    def _reconcile(
-        self,
-        run: RunState,
-        finetune: Obj,
-        jobset: Obj | None,
-        pods: Sequence[Obj],
-        nodes: Mapping[str, Obj],
-        workload: Obj | None,
-        event: EventSink,
-        log: Log,
-    ) -> None:
+    def _reconcile(self, run: RunState, finetune: Obj, seen: Seen, event: EventSink, log: Log) -> None:
         finetune = run.freshest(finetune)
-        jobset = self._jobset_of_record(run, finetune, jobset)
+        jobset = self._jobset_of_record(run, finetune, seen.jobset)
         desired = self._desired(run, finetune, objects_needed=jobset is None)
-        workload = queueing.workload_of([workload], jobset) if workload is not None else None
+        workload = queueing.workload_of([seen.workload], jobset) if seen.workload is not None else None
         decision = decide(finetune, desired.spec_error is None, jobset, workload)
         created = Created(jobset=jobset)
         if decision.create and desired.rendered is not None:
@@ -305,7 +306,8 @@ class Reconciler:
         jobset = self._suspend_or_resume(finetune, jobset, decision, event, log)
         if jobset is not None:
             run.keep_only_shape()
-        self._write_status(run, finetune, jobset, pods, nodes, workload, desired, created, event, log)
+        seen = Seen(jobset, seen.pods, seen.nodes, workload)
+        self._write_status(run, finetune, seen, desired, created, event, log)
         if created.error is not None:
             raise created.error  # logged by the runtime; the resync retries
 
@@ -466,10 +468,7 @@ class Reconciler:
         self,
         run: RunState,
         finetune: Obj,
-        jobset: Obj | None,
-        pods: Sequence[Obj],
-        nodes: Mapping[str, Obj],
-        workload: Obj | None,
+        seen: Seen,
         desired: Desired,
         created: Created,
         event: EventSink,
@@ -478,7 +477,7 @@ class Reconciler:
         """Derives the status from what was observed and done, patches it when it differs (unless the
         first status is settling), posts the Events of its transitions, and asks a checkpoint of the
         pods on a node that announces maintenance."""
-        shape = desired.shape
+        shape, jobset, pods, nodes = desired.shape, seen.jobset, seen.pods, seen.nodes
         derived = derive_status(
             Observed(
                 finetune=finetune,
@@ -488,7 +487,7 @@ class Reconciler:
                 creation_error=str(created.error) if created.error else None,
                 name_taken=created.name_taken,
                 pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log),
-                workload=workload,
+                workload=seen.workload,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,

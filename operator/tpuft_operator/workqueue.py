@@ -100,14 +100,18 @@ class WorkQueue:
                     return True
                 if now >= deadline:
                     return False
-                # The end of the last urgent reconcile notifies (`done`); the end of the quiet period
-                # after the last urgent mark does not: wake up for it.
-                quiet_ends = self._last_urgent + QUIET_SECONDS - now
-                self._quiet.wait(min(deadline - now, quiet_ends) if quiet_ends > 0 else deadline - now)
+                self._quiet.wait(self._wake_within(deadline - now, now))
             return True
 
     def _creating_now(self, now: float) -> bool:
         return bool(self._creating) or self._urgent_waiting > 0 or now - self._last_urgent < QUIET_SECONDS
+
+    def _wake_within(self, seconds: float, now: float) -> float:
+        """How long a waiter for the end of a burst may sleep: ``seconds``, or less if the quiet period
+        after the last urgent mark ends first. The end of an urgent reconcile notifies (`done`); the
+        end of the quiet period does not, so a waiter must wake up for it."""
+        quiet_ends = self._last_urgent + QUIET_SECONDS - now
+        return min(seconds, quiet_ends) if quiet_ends > 0 else seconds
 
     def _hold(self) -> float:
         """Seconds the next normal run should still wait (0: take it now)."""
@@ -118,12 +122,7 @@ class WorkQueue:
         if oldest is None:
             return 0.0
         hold = oldest + HOLD_SECONDS - now
-        if hold <= 0:
-            return 0.0
-        # Wake up when the quiet period ends (nothing notifies then), or when the hold does; the end of
-        # an urgent reconcile notifies (`done`).
-        quiet_ends = self._last_urgent + QUIET_SECONDS - now
-        return min(hold, quiet_ends) if quiet_ends > 0 else hold
+        return self._wake_within(hold, now) if hold > 0 else 0.0
 
     def _pop(self, queue: deque[Key]) -> Key | None:
         while queue:
