@@ -1,7 +1,7 @@
 """Runs tools/crdcheck: the apiserver's CRD and custom-resource validation, offline, from Go.
 
 Built once per source hash into $TPUFT_CACHE/bin (needs `go` and the modules in go.sum, which the
-local cluster build already fetched); tests that use it skip when `go` is missing.
+local cluster build already fetched); without `go` they fail, saying how to get it.
 """
 
 from __future__ import annotations
@@ -19,15 +19,26 @@ from typing import Any
 import pytest
 import yaml
 
+from tpuft_dev.cluster import versions
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "tools" / "crdcheck"
-JOBSET_CRD_RELATIVE = "sigs.k8s.io/jobset@v0.12.0/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml"
+JOBSET_MODULE = f"sigs.k8s.io/jobset@{versions.JOBSET}"
+JOBSET_CRD_RELATIVE = f"{JOBSET_MODULE}/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml"
+
+
+def _go() -> str:
+    go = shutil.which("go")
+    if go is None:
+        pytest.fail(
+            f"needs the Go toolchain (go{versions.MIN_GO[0]}.{versions.MIN_GO[1]} or later, https://go.dev/dl) to build tools/crdcheck"
+            " and read the JobSet CRD; `make binaries` needs it too"
+        )
+    return go
 
 
 def binary() -> Path:
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("needs the go toolchain to build tools/crdcheck")
+    go = _go()
     digest = hashlib.sha256()
     for name in ("main.go", "go.mod", "go.sum"):
         digest.update((SOURCE / name).read_bytes())
@@ -40,15 +51,15 @@ def binary() -> Path:
 
 
 def jobset_crd() -> Path:
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("needs the go toolchain (module cache) for the JobSet CRD")
+    """The JobSet CRD of the release the local cluster runs, from the Go module cache (downloaded
+    from the module proxy when the cluster build has not fetched it yet)."""
+    go = _go()
     modcache = subprocess.run(
         [go, "env", "GOMODCACHE"], capture_output=True, text=True, check=True
     ).stdout.strip()
     path = Path(modcache) / JOBSET_CRD_RELATIVE
     if not path.exists():
-        pytest.skip(f"JobSet CRD not in the module cache: {path}")
+        subprocess.run([go, "mod", "download", JOBSET_MODULE], check=True, timeout=600)
     return path
 
 
