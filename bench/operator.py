@@ -9,9 +9,10 @@ cannot weigh on the next: deleting them is slow here, and a cluster comes up in 
 2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
    the same specs, created the same way (each carries its trainer config). The namespace's trainer
    ServiceAccount is created first, untimed, so their pods start exactly as the operator's do.
-3. *finetunes-alone*, still without the operator: the same N TPUFineTunes created into a namespace
-   of their own, timed, with the cluster's CPU: the API server's work every controller's phase
-   includes (the TPUFineTunes' admission and storage) and the direct phase does not.
+3. *zero-reaction*, still without the operator: a controller that takes no time at all. Each client
+   thread creates a TPUFineTune and, once it is stored, its JobSet (rendered beforehand). Every
+   controller pays for both creates on the same API server; the direct phase pays for the JobSets
+   only, so on a CPU-bound API server it is a limit no controller can reach.
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
@@ -67,7 +68,7 @@ from tpuft_dev.cluster.operator_process import (
 )
 from tpuft_operator.api.models import Phase
 from tpuft_operator.api.resources import FINETUNE, JOBSET, POD
-from tpuft_operator.render import RenderSettings, render_run
+from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 
 RESULTS = Path(__file__).parent / "results" / "operator.json"
@@ -79,6 +80,9 @@ SIZES = (100, 300, 1000)
 REPEAT = 3  # rounds per N: the figures swing by 2x between runs on the 2-CPU machine
 THREADS = 16
 TRAINER_IMAGE = "example.invalid/tpuft-trainer:bench"
+# The zero-reaction phase renders its JobSets before their TPUFineTunes exist, with this uid, and
+# puts the stored TPUFineTune's in its place (owner reference, uid label) when it sends each.
+PLACEHOLDER_UID = "00000000-0000-4000-8000-000000000000"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{SERVICE_ACCOUNT}"
 # The operator's status writes, as the audit log's requests are tallied (f"{verb} {resource}").
 STATUS_PATCH = f"patch {FINETUNE.plural}/status"
@@ -532,33 +536,79 @@ class Bench:
     def namespace(self, name: str) -> None:
         self.cluster.kubectl("create", "namespace", name)
 
-    def direct(self, n: int) -> dict[str, Any]:
-        ns = f"bench-direct-{n}"
+    def _rendered(self, ns: str, n: int, uid: str | None = None) -> list[RenderedRun]:
+        """The namespace ``ns`` and the N runs rendered for it, as `render_run` makes them for the
+        operator; ``uid``: the TPUFineTunes' uid to render with (their owner references, uid labels).
+        Untimed: the namespace's trainer ServiceAccount, which the JobSets' pods need."""
         self.namespace(ns)
         runs = [
-            render_run(finetune(name, ns), RenderSettings(trainer_image=TRAINER_IMAGE)) for name in names(n)
+            render_run(
+                {
+                    **finetune(name, ns),
+                    "metadata": {"name": name, "namespace": ns, **({"uid": uid} if uid else {})},
+                },
+                RenderSettings(trainer_image=TRAINER_IMAGE),
+            )
+            for name in names(n)
         ]
-        core = client.CoreV1Api(self.api)
-        custom = client.CustomObjectsApi(self.api)
-        errors: Counter[int] = Counter()
-        # Untimed: what the JobSets' pods need (the namespace's trainer ServiceAccount).
         sa = next(o for o in runs[0].namespace_objects if o["kind"] == "ServiceAccount")
-        core.create_namespaced_service_account(ns, cast(Any, sa))
+        client.CoreV1Api(self.api).create_namespaced_service_account(ns, cast(Any, sa))
+        return runs
 
-        obs = Observations()
-        watcher = WatchProcess(self.cluster.kubeconfig, [(JOBSET.gvp, ns, obs.jobset_event)])
-        watcher.start()
-        codes_before = apiserver_codes(self.cluster)
-        audit_offset = self.cluster.layout.audit_log.stat().st_size
-        sent: dict[str, float] = {}
+    def direct(self, n: int) -> dict[str, Any]:
+        """The N JobSets the operator would make, created by the client: the API server's own rate."""
+        ns = f"bench-direct-{n}"
+        custom = client.CustomObjectsApi(self.api)
         group, version, plural = JOBSET.gvp
         items = [
             (
                 run.jobset_name,
                 partial(custom.create_namespaced_custom_object, group, version, ns, plural, run.jobset),
             )
-            for run in runs
+            for run in self._rendered(ns, n)
         ]
+        # The node pools must be free for the next phase's runs: these finish first (untimed).
+        return self._created_by_client("direct", ns, n, items, finish=True)
+
+    def zero_reaction(self, n: int) -> dict[str, Any]:
+        """A controller that takes no time at all, the operator stopped: each client thread creates a
+        TPUFineTune and, as soon as the API server has stored it, its JobSet (rendered beforehand, the
+        stored object's uid filled in). Every controller pays what this phase pays (both creates, on
+        the same API server, in the same order) and more; the operator's latency is judged against it
+        as well as against the direct phase (`bench.__main__.zero_reaction_limit`)."""
+        ns = f"bench-zero-{n}"
+        custom = client.CustomObjectsApi(self.api)
+        runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
+        (fg, fv, fp), (jg, jv, jp) = FINETUNE.gvp, JOBSET.gvp
+        finetunes, jobsets = (fg, fv, ns, fp), (jg, jv, ns, jp)
+
+        def both(name: str, jobset: str) -> None:
+            created = cast(
+                dict[str, Any],
+                custom.create_namespaced_custom_object(*finetunes, finetune(name, ns)),
+            )
+            own = json.loads(jobset.replace(PLACEHOLDER_UID, created["metadata"]["uid"]))
+            custom.create_namespaced_custom_object(*jobsets, own)
+
+        items = [
+            (name, partial(both, name, json.dumps(run.jobset)))
+            for name, run in zip(names(n), runs, strict=True)
+        ]
+        return self._created_by_client("zero-reaction", ns, n, items, finish=False)
+
+    def _created_by_client(
+        self, mode: str, ns: str, n: int, items: list[tuple[str, Callable[[], Any]]], *, finish: bool
+    ) -> dict[str, Any]:
+        """Runs ``items`` (the creates of a phase without the operator) as `create_all` does, and
+        measures them as the operator phase is measured, up to the last JobSet seen; ``finish``:
+        then waits, untimed, until every JobSet has completed (their pods leave the node pools)."""
+        obs = Observations()
+        watcher = WatchProcess(self.cluster.kubeconfig, [(JOBSET.gvp, ns, obs.jobset_event)])
+        watcher.start()
+        codes_before = apiserver_codes(self.cluster)
+        audit_offset = self.cluster.layout.audit_log.stat().st_size
+        sent: dict[str, float] = {}
+        errors: Counter[int] = Counter()
         cpu_before = components_cpu(self.cluster)
         started = time.monotonic()
         create_all(items, sent, errors, self.threads)
@@ -567,12 +617,12 @@ class Bench:
         all_seen = max(obs.jobset_seen.values()) - started
         burst_cpu = cpu_between(cpu_before, components_cpu(self.cluster), n)
         codes_after = apiserver_codes(self.cluster)
-        # The node pools must be free for the operator's runs: let these finish (untimed).
-        wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
+        if finish:
+            wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
         watcher.stop()
         latencies = [obs.jobset_seen[r] - sent[r] for r in sent if r in obs.jobset_seen]
-        result = {
-            "mode": "direct",
+        return {
+            "mode": mode,
             "n": n,
             "load_average_at_end": load_average(),
             "client_seconds_to_send_all": round(created, 2),
@@ -586,7 +636,6 @@ class Bench:
                 self.cluster.layout.audit_log, audit_offset, ns, sent, obs.jobset_seen
             ),
         }
-        return result
 
     def finetune_creates(self, namespace: str, n: int) -> list[tuple[str, Callable[[], Any]]]:
         """The N TPUFineTune creates of a phase, for `create_all`."""
@@ -606,28 +655,6 @@ class Bench:
             )
             for name in names(n)
         ]
-
-    def finetunes_alone(self, n: int) -> dict[str, Any]:
-        """The N TPUFineTune creates alone, with no operator running: the API server's share of the
-        operator phase that no controller can avoid (their admission, CEL rules, storage), which the
-        direct phase does not pay. Context for the operator's figures, not a bound: the two phases'
-        clients do different work (the direct one serializes N large JobSets)."""
-        ns = f"bench-alone-{n}"
-        self.namespace(ns)
-        items = self.finetune_creates(ns, n)
-        sent: dict[str, float] = {}
-        errors: Counter[int] = Counter()
-        cpu_before = components_cpu(self.cluster)
-        started = time.monotonic()
-        create_all(items, sent, errors, self.threads)
-        created = time.monotonic() - started
-        return {
-            "mode": "finetunes-alone",
-            "n": n,
-            "client_seconds_to_send_all": round(created, 2),
-            "client_errors": {str(k): v for k, v in errors.items()},
-            "cluster_cpu": cpu_between(cpu_before, components_cpu(self.cluster), n),
-        }
 
     def operator(self, n: int, *, profile: Path | None = None) -> dict[str, Any]:
         ns = f"bench-operator-{n}"
@@ -772,11 +799,13 @@ def main(
             operator_phase = bench.operator(n, profile=spy)
             print(f">> N={n}: direct JobSet creation (the limit)")
             direct_phase = bench.direct(n)
-            print(f">> N={n}: the TPUFineTune creates alone (no operator)")
-            alone_phase = bench.finetunes_alone(n)
-            for phase in (direct_phase, operator_phase, alone_phase):
+            print(
+                f">> N={n}: a zero-reaction controller (the client creates each TPUFineTune and its JobSet)"
+            )
+            zero_phase = bench.zero_reaction(n)
+            for phase in (direct_phase, operator_phase, zero_phase):
                 phase["round"] = round_
-            phases += [direct_phase, operator_phase, alone_phase]
+            phases += [direct_phase, operator_phase, zero_phase]
             print(summary_line(direct_phase, operator_phase))
         finally:
             if not (keep_cluster and (round_, n) == plan[-1]):

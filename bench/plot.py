@@ -32,7 +32,7 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
     colors = dict(zip(sizes, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), strict=False))
     by_round = {(p["n"], p.get("round", 0), p["mode"]): p for p in phases}
     # The distributions of one round per N: the round whose p99/limit is the median of that N's.
-    operator, direct = {}, {}
+    operator, direct, zero = {}, {}, {}
     for n in sizes:
         rounds = sorted(
             (round_figures(by_round[(n, r, "operator")], by_round[(n, r, "direct")])["p99_to_limit"] or 0, r)
@@ -41,11 +41,21 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
         )
         chosen = rounds[len(rounds) // 2][1]
         operator[n], direct[n] = by_round[(n, chosen, "operator")], by_round[(n, chosen, "direct")]
+        if (n, chosen, "zero-reaction") in by_round:
+            zero[n] = by_round[(n, chosen, "zero-reaction")]
     fig, (created, finished, cost, targets) = plt.subplots(1, 4, figsize=(22, 5))
 
     for n in sizes:
         _cdf(created, operator[n]["create_to_jobset_samples"], color=colors[n], label=f"operator N={n}")
         _cdf(created, direct[n]["create_to_jobset_samples"], color=colors[n], ls="--", label=f"direct N={n}")
+        if n in zero:
+            _cdf(
+                created,
+                zero[n]["create_to_jobset_samples"],
+                color=colors[n],
+                ls=":",
+                label=f"zero-reaction N={n}",
+            )
         _cdf(finished, operator[n]["jobset_completed_to_succeeded_samples"], color=colors[n], label=f"N={n}")
     created.set(
         xscale="log",
@@ -82,16 +92,20 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
     cost.grid(alpha=0.3)
 
     summary = medians(results)
-    for name, marker, target in (
-        ("p99_to_limit", "o", TARGET_P99_TO_LIMIT),
-        ("all_to_direct", "s", TARGET_ALL_TO_DIRECT),
-    ):
-        label = "p99 create->JobSet / limit" if name == "p99_to_limit" else "time to all JobSets / direct"
-        line = targets.plot(ns, [summary[n][name] for n in ns], marker + "-", label=f"{label} (median)")
+    ratios = {
+        "p99_to_limit": ("o-", TARGET_P99_TO_LIMIT, "p99 create->JobSet / limit"),
+        "all_to_direct": ("s-", TARGET_ALL_TO_DIRECT, "time to all JobSets / direct"),
+        "p99_to_zero_limit": ("o--", TARGET_P99_TO_LIMIT, "p99 / zero-reaction limit"),
+        "all_to_zero": ("s--", TARGET_ALL_TO_DIRECT, "all JobSets / zero-reaction"),
+    }
+    for name, (style, target, label) in ratios.items():
+        if any(summary[n][name] is None for n in ns):
+            continue
+        line = targets.plot(ns, [summary[n][name] for n in ns], style, label=f"{label} (median)")
         for n in ns:
             values = [f[name] for f in summary[n]["rounds"] if f[name] is not None]
-            targets.plot([n] * len(values), values, marker, color=line[0].get_color(), alpha=0.35)
-        targets.axhline(target, color=line[0].get_color(), ls=":", lw=1)
+            targets.plot([n] * len(values), values, style[0], color=line[0].get_color(), alpha=0.35)
+        targets.axhline(target, color="gray", ls=":", lw=1)
     targets.set(
         xscale="log",
         xlabel="N (runs applied at once)",

@@ -118,7 +118,7 @@ def test_the_bound_is_what_direct_creation_leaves_after_the_client_has_sent_ever
     assert creation_bound(operator_phase, {"seconds_to_all_jobsets": 0.5}) is None
 
 
-def test_a_round_shows_the_finetune_creates_alone_when_it_has_them() -> None:
+def test_a_round_is_judged_against_direct_creation_and_against_a_zero_reaction_controller() -> None:
     operator_phase = {
         "create_to_jobset": {"p99": 2.0, "min": 0.5},
         "create_to_jobset_samples": [],
@@ -128,13 +128,18 @@ def test_a_round_shows_the_finetune_creates_alone_when_it_has_them() -> None:
         "operator_process": {"peak_rss_mb": 90.0, "cpu_ms_per_run": 40.0},
     }
     direct = {"create_to_jobset": {"p99": 0.5}, "seconds_to_all_jobsets": 3.0}
-    alone = {"client_seconds_to_send_all": 1.2, "cluster_cpu": {"ms_per_run": {"kube-apiserver": 6.0}}}
-    figures = round_figures(operator_phase, direct, alone)
+    zero = {"create_to_jobset": {"p99": 0.4, "min": 0.05}, "seconds_to_all_jobsets": 3.5}
+    figures = round_figures(operator_phase, direct, zero)
     assert figures["limit"] == pytest.approx(1.98)  # 0.99 x (3.0 - 1.0), above the direct p99
     assert figures["all_to_direct"] == pytest.approx(4 / 3)
-    assert (figures["alone_seconds"], figures["alone_apiserver_ms"]) == (1.2, 6.0)
+    # The pairs take longer to create than the JobSets alone: the limit is higher, the ratios lower.
+    assert figures["zero_limit"] == pytest.approx(0.99 * 2.5)
+    assert figures["p99_to_zero_limit"] == pytest.approx(2.0 / (0.99 * 2.5))
+    assert figures["all_to_zero"] == pytest.approx(4 / 3.5)
+    assert figures["zero_fastest"] == 0.05
     assert figures["operator_errors"] == 1
-    assert round_figures(operator_phase, direct)["alone_seconds"] is None  # results of an older run
+    older = round_figures(operator_phase, direct)  # results of a run without the zero-reaction phase
+    assert older["zero_limit"] is None and older["all_to_zero"] is None
 
 
 def test_percentiles() -> None:
