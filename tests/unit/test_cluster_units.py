@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -350,3 +355,28 @@ def test_down_all_removes_every_cluster_under_the_cache(
     assert result.exit_code == 0, result.output
     assert "cluster 'default' is down" in result.output and "cluster 'demo' is down" in result.output
     assert list((tmp_path / "clusters").iterdir()) == []
+
+
+def test_the_operator_process_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # A parent that starts a long child the way OperatorProcess starts the operator, then exits.
+    parent = textwrap.dedent(
+        """
+        import subprocess, sys
+        from tpuft_dev.cluster.operator_process import _die_with_parent
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=_die_with_parent)
+        print(child.pid, flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", parent], capture_output=True, text=True, timeout=30, check=True, env=env
+    )
+    pid = int(out.stdout)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        if state == "Z":  # gone, waiting for init to reap it
+            break
+        time.sleep(0.05)
+    else:
+        assert not Path(f"/proc/{pid}").exists(), "the child outlived its parent"

@@ -4,6 +4,7 @@ ServiceAccount (so it has exactly the chart's permissions). Used by `make demo` 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -19,6 +20,18 @@ import yaml
 from tpuft_dev.cluster.local import ClusterError, LocalCluster
 
 REPO = Path(__file__).resolve().parents[3]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up once, here: the child calls it between fork and exec, where it must not import or allocate.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent() -> None:
+    """In the operator's process before exec: SIGTERM when the thread that started it dies. A killed
+    benchmark or test run left its operator running against the next cluster of the same name (it
+    then competed for the CPUs with the next run); `start` is called from the main thread."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 CHART = REPO / "charts" / "tpuft"
 CRD = REPO / "crds" / "tpufinetunes.tpuft.dev.yaml"
 OPERATOR_NAMESPACE = "tpuft-system"
@@ -128,6 +141,7 @@ class OperatorProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
