@@ -4,8 +4,9 @@ For each N (100, 300, 1000 by default), on a fresh cluster each time (so one N's
 cannot weigh on the next: deleting them is slow here, and a cluster comes up in ~15 s):
 
 1. *operator*: a fresh `tpuft operator` process (as the chart's ServiceAccount, with the chart's
-   RBAC, watching all namespaces as the chart does by default) and N TPUFineTunes created by a client
-   as fast as it can (16 threads); then it waits for every run to be `Succeeded`.
+   RBAC, watching all namespaces as the chart does by default), warmed up by WARMUP_RUNS runs (untimed),
+   and N TPUFineTunes created by a client as fast as it can (16 threads); then it waits for every
+   run to be `Succeeded`.
 2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
    the same specs, created the same way (each carries its trainer config). The namespace's trainer
    ServiceAccount is created first, untimed, so their pods start exactly as the operator's do.
@@ -79,6 +80,7 @@ POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
 SIZES = (100, 300, 1000)
 REPEAT = 3  # rounds per N: the figures swing by 2x between runs on the 2-CPU machine
 THREADS = 16
+WARMUP_RUNS = 32  # through the operator before its burst (`Bench.warm_up`)
 TRAINER_IMAGE = "example.invalid/tpuft-trainer:bench"
 # The zero-reaction phase renders its JobSets before their TPUFineTunes exist, with this uid, and
 # puts the stored TPUFineTune's in its place (owner reference, uid label) when it sends each.
@@ -658,6 +660,25 @@ class Bench:
             for name in names(n)
         ]
 
+    def warm_up(self) -> None:
+        """Untimed, before the operator phase's burst: WARMUP_RUNS runs through the operator, in a
+        namespace of their own, until they have Succeeded and their last writes have landed.
+
+        The direct and zero-reaction phases come after the operator's, on an API server, etcd and
+        JobSet webhooks that have already served N runs; without this the operator's burst alone met a
+        cold cluster (a fresh one's first JobSet POSTs took 0.5-0.75 s inside the API server, the
+        direct phase's 0.1-0.2 s), and an operator that had just started (its connections, caches and
+        first renders). A production operator meets a burst warm."""
+        ns = "bench-warmup"
+        self.namespace(ns)
+        obs = Observations()
+        watcher = WatchProcess(self.cluster.kubeconfig, [(FINETUNE.gvp, ns, obs.finetune_event)])
+        watcher.start()
+        create_all(self.finetune_creates(ns, WARMUP_RUNS), {}, Counter(), self.threads)
+        wait_until("the warm-up runs Succeeded", lambda: len(obs.succeeded) >= WARMUP_RUNS, 300)
+        watcher.stop()
+        time.sleep(3)  # their last status writes and Events, before the operator counts as idle
+
     def operator(self, n: int, *, profile: Path | None = None) -> dict[str, Any]:
         ns = f"bench-operator-{n}"
         self.namespace(ns)
@@ -673,7 +694,7 @@ class Bench:
         # /healthz answers before kopf's watches are open (its first list can even get a 429 while
         # the new CRD's watch cache initializes): wait until its three lists have succeeded.
         wait_until("the operator's initial lists", lambda: operator_listed(audit_log), 120)
-        time.sleep(1)
+        self.warm_up()
         idle = proc_usage(pid)
         offset = audit_log.stat().st_size
         spy = None
