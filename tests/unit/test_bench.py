@@ -128,7 +128,11 @@ def test_a_round_is_judged_against_direct_creation_and_against_a_zero_reaction_c
         "operator_process": {"peak_rss_mb": 90.0, "cpu_ms_per_run": 40.0},
     }
     direct = {"create_to_jobset": {"p99": 0.5}, "seconds_to_all_jobsets": 3.0}
-    zero = {"create_to_jobset": {"p99": 0.4, "min": 0.05}, "seconds_to_all_jobsets": 3.5}
+    zero = {
+        "create_to_jobset": {"p99": 0.4, "min": 0.05},
+        "client_seconds_to_send_all": 1.2,
+        "seconds_to_all_jobsets": 3.5,
+    }
     figures = round_figures(operator_phase, direct, zero)
     assert figures["limit"] == pytest.approx(1.98)  # 0.99 x (3.0 - 1.0), above the direct p99
     assert figures["all_to_direct"] == pytest.approx(4 / 3)
@@ -137,6 +141,10 @@ def test_a_round_is_judged_against_direct_creation_and_against_a_zero_reaction_c
     assert figures["p99_to_zero_limit"] == pytest.approx(2.0 / (0.99 * 2.5))
     assert figures["all_to_zero"] == pytest.approx(4 / 3.5)
     assert figures["zero_fastest"] == 0.05
+    # The zero-reaction controller by the direct yardstick: its p99 against the limit its own
+    # client's send time gives (0.99 x (3.0 - 1.2) = 1.78 > the direct p99), its time to all JobSets.
+    assert figures["zero_p99_to_limit"] == pytest.approx(0.4 / (0.99 * 1.8))
+    assert figures["zero_all_to_direct"] == pytest.approx(3.5 / 3.0)
     assert figures["operator_errors"] == 1
     older = round_figures(operator_phase, direct)  # results of a run without the zero-reaction phase
     assert older["zero_limit"] is None and older["all_to_zero"] is None
