@@ -66,8 +66,17 @@ def _ratio(value: float | None, to: float | None) -> float | None:
     return value / to if value and to else None
 
 
+def _split(phase: dict[str, Any]) -> dict[str, Any]:
+    """The phase's latency breakdown (audit log), or {} when its clocks disagree: a POST received
+    before it was sent means the wall clock was stepped during the round (`latency_breakdown`)."""
+    split = phase.get("latency_breakdown") or {}
+    if split.get("clock_stepped_runs") or ((split.get("send_to_jobset_post") or {}).get("p50") or 0) < 0:
+        return {}
+    return split
+
+
 def _stored_p99(phase: dict[str, Any]) -> float | None:
-    return ((phase.get("latency_breakdown") or {}).get("send_to_jobset_stored") or {}).get("p99")
+    return (_split(phase).get("send_to_jobset_stored") or {}).get("p99")
 
 
 def _operator_errors(phase: dict[str, Any]) -> int:
@@ -179,9 +188,9 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         if (n, round_, "zero-reaction") in phases:
             shown.append(phases[(n, round_, "zero-reaction")])
         for phase in shown:
-            split = phase.get("latency_breakdown")
+            split = _split(phase)
             if not split:
-                parts.append("-")
+                parts.append("- (the wall clock was stepped)")
                 continue
             parts.append(
                 "; ".join(
@@ -190,7 +199,7 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                     if k in split
                 )
             )
-        split = phases[(n, round_, mode)].get("latency_breakdown") or {}
+        split = _split(phases[(n, round_, mode)])
         reaction = (
             f"; the operator's reaction (TPUFineTune stored -> its JobSet POST) {_p50_p99(split['finetune_done_to_jobset_post'])}"
             if "finetune_done_to_jobset_post" in split
@@ -271,7 +280,7 @@ def paced_report(results: dict[str, Any]) -> list[str]:
         if phase["mode"] not in ("operator", "direct"):
             continue
         c = phase["create_to_jobset"]
-        split = phase.get("latency_breakdown") or {}
+        split = _split(phase)
         reaction = split.get("finetune_done_to_jobset_post")
         lines.append(
             f"  N={phase['n']} round {phase.get('round', 0) + 1} {phase['mode']:>8}: create->JobSet min/p50/p99"

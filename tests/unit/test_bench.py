@@ -155,3 +155,18 @@ def test_percentiles() -> None:
     p = percentiles(values)
     assert (p["p50"], p["p95"], p["p99"], p["max"], p["count"]) == (50.5, 96.0, 100.0, 100.0, 100)
     assert percentiles([])["p99"] is None
+
+
+def test_a_wall_clock_step_leaves_no_breakdown_rather_than_a_wrong_one(tmp_path: Path) -> None:
+    base = time.monotonic()
+    log = write_log(
+        tmp_path / "audit.log",
+        [
+            entry(
+                "create", "jobsets", "r-0000",
+                requestReceivedTimestamp=stamp(base - 17.6), stageTimestamp=stamp(base - 17.4),
+            ),
+        ],
+    )  # fmt: skip
+    split = latency_breakdown(log, 0, "ns", {"r-0000": base}, {"r-0000": base + 0.3})
+    assert split == {"runs": 1, "clock_stepped_runs": 1}
