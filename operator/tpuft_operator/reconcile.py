@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -183,40 +184,80 @@ class NamespaceIdentities:
     """Each namespace's shared trainer identity (render/identity.py), created once by this process and
     checked again every NAMESPACE_IDENTITY_RECHECK seconds, so that a deleted one comes back.
 
-    In two parts, because only one is on the path of a run's JobSet: the ServiceAccount must exist
-    before the JobSet's pods are created (the apiserver refuses a pod of a missing account), while the
-    progress Role and RoleBinding only serve the trainer's first progress report, many seconds later.
-    A RoleBinding create is slow (~100 ms on an idle apiserver, the escalation check): the first runs of
-    a namespace, which all wait for its identity, wait only for the ServiceAccount."""
+    In two parts, because neither needs to be on the path of a run's JobSet:
+
+    - The ServiceAccount (`send_account`) must exist before the JobSet's *pods* are created (the
+      apiserver refuses a pod of a missing account), and those come at least two controller hops
+      after the JobSet is stored (the JobSet controller creates its Jobs, the Job controller their
+      pods). So its create is sent, on a thread of its own, and the JobSets of the namespace's first
+      runs are sent right behind it instead of after its answer: under a burst, waiting for that
+      answer held the first wave of a new namespace ~0.1-0.2 s (docs/benchmarks.md). Should the
+      account lose the race anyway, the Job controller's retry of the pod creates it (~1 s later).
+    - The progress Role and RoleBinding (`ensure_progress`) only serve the trainer's first progress
+      report, many seconds later. A RoleBinding create is slow (~100 ms on an idle apiserver, the
+      escalation check), and nobody waits for another reconcile's."""
 
     def __init__(self) -> None:
-        self._checked: dict[tuple[str, bool], float] = {}
-        self._locks: KeyedLocks[tuple[str, bool]] = KeyedLocks()
+        self._checked: dict[tuple[str, str], float] = {}  # (namespace, part) -> when it was made sure of
+        self._accounts: dict[str, Future[None]] = {}  # each namespace's account create in flight
+        self._guard = threading.Lock()
+        self._locks: KeyedLocks[str] = KeyedLocks()
 
-    def ensure(self, api: Api, namespace: str, log: Log, *, before_jobset: bool, wait: bool = False) -> None:
-        """Creates what is missing of the namespace's identity: its ServiceAccount (``before_jobset``)
-        or the rest. ``wait``: for the rest too, wait while another reconcile creates it (a run's own
-        progress RoleBinding binds the namespace's Role, which must exist first: the apiserver's
-        escalation check reads it, 404 otherwise)."""
-        part = (namespace, before_jobset)
-        lock = self._locks.of(part)
-        checked = self._checked.get(part)
-        if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
+    def _fresh(self, namespace: str, part: str) -> bool:
+        checked = self._checked.get((namespace, part))
+        return checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK
+
+    def send_account(self, api: Api, namespace: str, log: Log) -> Future[None] | None:
+        """Sends the create of the namespace's trainer ServiceAccount unless this process made sure
+        of it lately; returns its answer to come (None when there is nothing to wait for). One create
+        per namespace at a time: the runs that arrive meanwhile get the same one (each racer would
+        get a 409). A failure is logged and forgotten, so the next call tries again."""
+        if self._fresh(namespace, "account"):
+            return None
+        with self._guard:
+            if self._fresh(namespace, "account"):
+                return None
+            sent = self._accounts.get(namespace)
+            if sent is not None:
+                return sent
+            sent = self._accounts[namespace] = Future()
+        account = namespace_objects(namespace)[0]
+        assert account["kind"] == "ServiceAccount"
+
+        def create() -> None:
+            try:
+                if api.ensure(account):
+                    log.info("created ServiceAccount %s/%s", namespace, account["metadata"]["name"])
+                self._checked[(namespace, "account")] = time.monotonic()
+                sent.set_result(None)
+            except BaseException as error:  # handed to whoever waits; logged here for the others
+                log.warning("cannot create the namespace's trainer ServiceAccount yet: %s", error)
+                sent.set_exception(error)
+            finally:
+                with self._guard:
+                    self._accounts.pop(namespace, None)
+
+        threading.Thread(target=create, name=f"tpuft-account-{namespace}", daemon=True).start()
+        return sent
+
+    def ensure_progress(self, api: Api, namespace: str, log: Log, *, wait: bool = False) -> None:
+        """Creates what is missing of the namespace's progress Role and RoleBinding. ``wait``: while
+        another reconcile creates them, wait for it (a run's own progress RoleBinding binds the
+        namespace's Role, which must exist first: the apiserver's escalation check reads it, 404
+        otherwise); else return at once: another reconcile is on it, and the next one retries if that
+        one fails (waiting there held every worker behind two slow RBAC creates)."""
+        if self._fresh(namespace, "progress"):
             return
-        # One reconcile per namespace does it. The burst of first runs in a namespace waits for the
-        # ServiceAccount (their pods need it) instead of racing to create it (each racer would get a
-        # 409); for the rest nobody waits: another reconcile is on it (and the next one retries if
-        # that one fails). Waiting there held every worker behind two slow RBAC creates.
-        if not lock.acquire(blocking=before_jobset or wait):
+        lock = self._locks.of(namespace)
+        if not lock.acquire(blocking=wait):
             return
         try:
-            checked = self._checked.get(part)
-            if checked is not None and time.monotonic() - checked < NAMESPACE_IDENTITY_RECHECK:
+            if self._fresh(namespace, "progress"):
                 return
             for obj in namespace_objects(namespace):
-                if (obj["kind"] == "ServiceAccount") == before_jobset and api.ensure(obj):
+                if obj["kind"] != "ServiceAccount" and api.ensure(obj):
                     log.info("created %s %s/%s", obj["kind"], namespace, obj["metadata"]["name"])
-            self._checked[part] = time.monotonic()
+            self._checked[(namespace, "progress")] = time.monotonic()
         finally:
             lock.release()
 
@@ -372,14 +413,15 @@ class Reconciler:
     def _create(
         self, run: RunState, finetune: Obj, desired: Desired, recreated: bool, event: EventSink, log: Log
     ) -> Created:
-        """Creates (or adopts) the run's objects: the namespace's trainer identity, then the JobSet."""
+        """Creates (or adopts) the run's objects: the namespace's trainer account (sent, its answer
+        awaited after the JobSet's: see NamespaceIdentities), then its own objects and the JobSet."""
         rendered = desired.rendered
         assert rendered is not None
         jobset: Obj | None = None
+        account = self.identities.send_account(self.api, run.key[0], self.log)
         try:
-            self.identities.ensure(self.api, run.key[0], self.log, before_jobset=True)
             if rendered.identity:  # the run's own RoleBinding (spec.serviceAccountName) binds the Role
-                self.identities.ensure(self.api, run.key[0], self.log, before_jobset=False, wait=True)
+                self.identities.ensure_progress(self.api, run.key[0], self.log, wait=True)
             for rendered_obj in rendered.objects:
                 obj: Obj = rendered_obj
                 if obj["kind"] == "JobSet" and recreated:
@@ -411,14 +453,23 @@ class Reconciler:
                 raise
             # Said in the status (a webhook or the apiserver is down); logged, and the resync retries.
             return Created(jobset=jobset, error=error)
+        try:
+            if account is not None:
+                account.result()  # the run's pods need it: a failure is raised, and the resync retries
+        except ApiError as error:
+            if not error.retryable:
+                raise
+            return Created(jobset=jobset, error=error)
         return Created(jobset=jobset)
 
     def _ensure_progress_identity(self, namespace: str, log: Log) -> None:
         """The namespace's progress Role and RoleBinding, once its run has a JobSet (see
-        NamespaceIdentities). A failure only delays the trainers' progress reports: it is logged, and
+        NamespaceIdentities), and its trainer account again if an earlier create failed (its pods
+        wait for it: nothing else would retry it once the JobSets exist). A failure is logged, and
         the next reconcile of any run of the namespace tries again."""
+        self.identities.send_account(self.api, namespace, self.log)
         try:
-            self.identities.ensure(self.api, namespace, self.log, before_jobset=False)
+            self.identities.ensure_progress(self.api, namespace, self.log)
         except ApiError as error:
             log.warning("cannot create the namespace's progress Role and RoleBinding yet: %s", error)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,8 +130,8 @@ def test_a_new_run_costs_its_jobset_and_one_status_write_with_settling() -> None
         ("ensure", "Role"),
         ("ensure", "RoleBinding"),
     ]
-    # Only the account is on the JobSet's path: its pods need it; the progress RBAC comes after.
-    assert writes.index(("ensure", "ServiceAccount")) < writes.index(("create", "JobSet"))
+    # The progress RBAC comes after the JobSet (the account's create is sent on a thread of its own:
+    # see test_the_jobset_is_sent_without_waiting_for_the_namespace_account).
     assert writes.index(("create", "JobSet")) < writes.index(("ensure", "Role"))
     assert events.posted == ["JobSetCreated", "Running"]
 
@@ -558,3 +559,75 @@ def test_a_run_with_its_own_account_gets_the_namespace_role_before_its_rolebindi
     writes = api.writes()
     assert writes.index(("ensure", "Role")) < writes.index(("create", "RoleBinding"))
     assert writes.index(("create", "RoleBinding")) < writes.index(("create", "JobSet"))
+
+
+def test_the_jobset_is_sent_without_waiting_for_the_namespace_account() -> None:
+    """The trainer account is needed by the JobSet's pods, two controller hops after the JobSet: the
+    first runs of a namespace send their JobSets while its create is in flight, and each reconcile
+    returns only once it is answered (a failure is the run's to report)."""
+    import threading
+
+    release, sending = threading.Event(), threading.Event()
+
+    class SlowAccountApi(RecordingApi):
+        def ensure(self, obj: Mapping[str, Any]) -> bool:
+            if obj["kind"] == "ServiceAccount":
+                sending.set()
+                assert release.wait(10)
+            return super().ensure(obj)
+
+    api = SlowAccountApi()
+    r, _ = reconciler(api)
+    runs = []
+    for i in range(3):
+        run = new_run()
+        run["metadata"].update(name=f"r{i}", uid=f"u-{i}")
+        runs.append(run)
+    threads = [
+        threading.Thread(target=r.reconcile, args=(run, None, []), kwargs={"event": Events()}) for run in runs
+    ]
+    for t in threads:
+        t.start()
+    assert sending.wait(10)
+    deadline = time.monotonic() + 10
+    while api.calls.count(("create", "JobSet")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # All three JobSets are sent while the account's create is still unanswered, and nobody is done.
+    assert api.calls.count(("create", "JobSet")) == 3
+    assert ("ensure", "ServiceAccount") not in api.calls
+    assert all(t.is_alive() for t in threads)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert api.calls.count(("ensure", "ServiceAccount")) == 1  # one create for the namespace
+
+
+def test_a_failed_account_create_is_reported_and_sent_again_by_the_next_reconcile(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failures = [ApiError("creating ServiceAccount ns/tpuft-trainer: HTTP 503", status=503, retryable=True)]
+
+    class FlakyAccountApi(RecordingApi):
+        def ensure(self, obj: Mapping[str, Any]) -> bool:
+            if obj["kind"] == "ServiceAccount" and failures:
+                self.calls.append(("failed", "ServiceAccount"))
+                raise failures.pop()
+            return super().ensure(obj)
+
+    api = FlakyAccountApi()
+    r, _ = reconciler(api)
+    run = new_run()
+    with caplog.at_level(logging.WARNING), pytest.raises(ApiError, match="ServiceAccount"):
+        r.reconcile(run, None, [], event=Events())  # raised to the runtime, which logs it too
+    assert "cannot create the namespace's trainer ServiceAccount yet: creating" in caplog.text
+    assert ("create", "JobSet") in api.calls  # sent meanwhile: its pods are what wait for the account
+    # The JobSet exists now, so no create is due; the reconcile sends the account's create again.
+    js = {"metadata": {"name": "run", "namespace": "ns", "ownerReferences": OURS}, "spec": {}, "status": {}}
+    r.reconcile(run, js, [], event=Events())
+    deadline = time.monotonic() + 10
+    while ("ensure", "ServiceAccount") not in api.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert api.calls.count(("failed", "ServiceAccount")) == 1
+    assert api.calls.count(("ensure", "ServiceAccount")) == 1
+    assert api.calls.count(("create", "JobSet")) == 1
