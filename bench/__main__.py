@@ -130,7 +130,7 @@ def medians(results: dict[str, Any]) -> dict[int, dict[str, Any]]:
         figures = [round_figures(o, d, zero) for o, d, zero in rounds]
         out[n] = {"rounds": figures}
         for name in figures[0]:
-            values = [f[name] for f in figures if f[name] is not None]
+            values = [v for f in figures if (v := f[name]) is not None]
             out[n][name] = statistics.median(values) if values else None
     return out
 
@@ -184,10 +184,10 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         if mode != "operator" or (n, round_, "direct") not in phases:
             continue
         parts = []
-        shown = [phases[(n, round_, mode)], phases[(n, round_, "direct")]]
+        measured = [phases[(n, round_, mode)], phases[(n, round_, "direct")]]
         if (n, round_, "zero-reaction") in phases:
-            shown.append(phases[(n, round_, "zero-reaction")])
-        for phase in shown:
+            measured.append(phases[(n, round_, "zero-reaction")])
+        for phase in measured:
             split = _split(phase)
             if not split:
                 parts.append("- (the wall clock was stepped)")

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from kopf._cogs.structs import references
@@ -108,7 +108,7 @@ def kopf_registry(queue: WorkQueue) -> kopf.OperatorRegistry:
 
 
 def _resource(kind: Any) -> references.Resource:
-    return kind.resource  # type: ignore[no-any-return]
+    return cast(references.Resource, kind.resource)
 
 
 async def through_kopf(events: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
@@ -131,9 +131,9 @@ async def through_kopf(events: dict[str, list[dict[str, Any]]]) -> dict[str, flo
                 settings=settings,
                 indexers=indexers,
                 memories=memories,
-                memobase=kopf.Memo(),
+                memobase=cast(Any, kopf.Memo()),  # (kopf's AnyMemo: any Memo subclass)
                 resource=resource,
-                raw_event=raw,
+                raw_event=cast(Any, raw),  # a watch event as kopf's RawEvent TypedDict
                 event_queue=event_queue,
             )
         timings[label] = 1000 * (time.perf_counter() - started) / len(raws)

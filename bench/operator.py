@@ -215,63 +215,60 @@ def _slim(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _watch(
-    kubeconfig: str, watches: list[tuple[tuple[str, str, str], str]], out: Any, stop: Any, ready: Any
+    kubeconfig: str, gvp: tuple[str, str, str], namespace: str, out: Any, stop: Any, ready: Any
 ) -> None:
-    """The body of `WatchProcess`: one `Watcher` thread per (kind, namespace), each event slimmed and
-    put on ``out`` with its arrival time (CLOCK_MONOTONIC: the same clock in every process)."""
-    api = api_client(Path(kubeconfig))
-    threads = []
-    for index, (gvp, namespace) in enumerate(watches):
-        watcher = Watcher(api, gvp, namespace, partial(_put, out, index))
-        watcher.start()
-        threads.append(watcher)
-    for watcher in threads:
-        watcher.ready.wait(60)
+    """The body of `WatchProcess`: a `Watcher` thread, each event slimmed and put on ``out`` with its
+    arrival time (CLOCK_MONOTONIC: the same clock in every process)."""
+    watcher = Watcher(api_client(Path(kubeconfig)), gvp, namespace, partial(_put, out))
+    watcher.start()
+    watcher.ready.wait(60)
     ready.set()
     stop.wait()
-    for watcher in threads:
-        watcher.stopped.set()
+    watcher.stopped.set()
 
 
-def _put(out: Any, index: int, type_: str, obj: dict[str, Any], at: float) -> None:
-    out.put((index, type_, _slim(obj), at))
+def _put(out: Any, type_: str, obj: dict[str, Any], at: float) -> None:
+    out.put((type_, _slim(obj), at))
 
 
 class WatchProcess:
-    """The benchmark client's watches, in a process of their own.
+    """One of the benchmark client's watches (a kind in a namespace), in a process of its own.
 
     In the client's process the watch threads shared the GIL with the 16 threads sending creates and
     fell behind: in one N=1000 round the client's watch saw JobSets 2.1 s (p50) after the API server
-    had stored them, in another 0.1 s; and more so in the operator phase, which watches TPUFineTunes
-    too (every status write). Arrival times are now taken in a process that does nothing else."""
+    had stored them, in another 0.1 s. And two watches in one process delay each other: in the
+    operator phase the TPUFineTunes' ~3 status events per run held up the JobSet events (at N=1000 the
+    JobSet watch saw JobSets 2.4 s, p50, after the API server had stored them, against 0.04 s in the
+    direct phase). Arrival times are taken in a process that does nothing else."""
 
     def __init__(
         self,
         kubeconfig: Path,
-        watches: Sequence[tuple[tuple[str, str, str], str, Callable[[str, dict[str, Any], float], None]]],
+        gvp: tuple[str, str, str],
+        namespace: str,
+        on_event: Callable[[str, dict[str, Any], float], None],
     ) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self._out = context.Queue()
         self._stop, self._ready = context.Event(), context.Event()
-        self._callbacks = [callback for _, _, callback in watches]
+        self._on_event = on_event
         self._process = context.Process(
             target=_watch,
-            args=(str(kubeconfig), [(gvp, ns) for gvp, ns, _ in watches], self._out, self._stop, self._ready),
+            args=(str(kubeconfig), gvp, namespace, self._out, self._stop, self._ready),
             daemon=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
 
     def start(self, timeout: float = 90) -> None:
-        """Starts the watches; returns once each has listed (its callbacks follow every event)."""
+        """Starts the watch; returns once it has listed (its callback follows every event)."""
         self._process.start()
         self._reader.start()
         if not self._ready.wait(timeout):
-            raise RuntimeError("the benchmark's watches did not start")
+            raise RuntimeError("the benchmark's watch did not start")
 
     def _read(self) -> None:
         while (item := self._out.get()) is not None:
-            index, type_, obj, at = item
-            self._callbacks[index](type_, obj, at)
+            self._on_event(*item)
 
     def stop(self) -> None:
         self._stop.set()
@@ -535,6 +532,43 @@ def operator_listed(path: Path) -> bool:
 
 # --------------------------------------------------------------------------- phases
 @dataclass
+class Burst:
+    """A phase's burst of creates, measured up to the last JobSet its watch saw (`Bench._burst`)."""
+
+    namespace: str
+    n: int
+    started: float  # time.monotonic of the first send
+    client_seconds: float  # to send every create
+    all_jobsets: float  # first send -> last JobSet seen
+    cluster_cpu: dict[str, Any]  # the cluster's processes, per run, over the same span
+    sent: dict[str, float]  # when each run's create was sent
+    errors: Counter[int]  # the client's failed creates, by HTTP status
+    codes_before: Counter[str]  # the API server's responses by code, before the burst
+    audit_offset: int  # where the burst's requests begin in the audit log
+
+    def figures(
+        self, mode: str, cluster: LocalCluster, obs: Observations, codes_after: Counter[str]
+    ) -> dict[str, Any]:
+        """What every phase reports: ``codes_after`` ends its span of API server responses."""
+        latencies = [obs.jobset_seen[r] - self.sent[r] for r in self.sent if r in obs.jobset_seen]
+        return {
+            "mode": mode,
+            "n": self.n,
+            "load_average_at_end": load_average(),
+            "client_seconds_to_send_all": round(self.client_seconds, 2),
+            "seconds_to_all_jobsets": round(self.all_jobsets, 2),
+            "create_to_jobset": percentiles(latencies),
+            "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
+            "client_errors": {str(k): v for k, v in self.errors.items()},
+            "apiserver_error_codes": storm_codes(self.codes_before, codes_after),
+            "cluster_cpu_to_all_jobsets": self.cluster_cpu,
+            "latency_breakdown": latency_breakdown(
+                cluster.layout.audit_log, self.audit_offset, self.namespace, self.sent, obs.jobset_seen
+            ),
+        }
+
+
+@dataclass
 class Bench:
     cluster: LocalCluster
     api: client.ApiClient
@@ -606,14 +640,32 @@ class Bench:
         return self._created_by_client("zero-reaction", ns, n, items, finish=False)
 
     def _created_by_client(
-        self, mode: str, ns: str, n: int, items: list[tuple[str, Callable[[], Any]]], *, finish: bool
+        self, mode: str, ns: str, n: int, items: Sequence[tuple[str, Callable[[], Any]]], *, finish: bool
     ) -> dict[str, Any]:
-        """Runs ``items`` (the creates of a phase without the operator) as `create_all` does, and
-        measures them as the operator phase is measured, up to the last JobSet seen; ``finish``:
-        then waits, untimed, until every JobSet has completed (their pods leave the node pools)."""
+        """Runs ``items`` (the creates of a phase without the operator) and measures them as the
+        operator phase is measured, up to the last JobSet seen; ``finish``: then waits, untimed, until
+        every JobSet has completed (their pods leave the node pools)."""
         obs = Observations()
-        watcher = WatchProcess(self.cluster.kubeconfig, [(JOBSET.gvp, ns, obs.jobset_event)])
+        watcher = WatchProcess(self.cluster.kubeconfig, JOBSET.gvp, ns, obs.jobset_event)
         watcher.start()
+        burst = self._burst(ns, n, items, obs, timeout=300)
+        codes_after = apiserver_codes(self.cluster)
+        if finish:
+            wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
+        watcher.stop()
+        return burst.figures(mode, self.cluster, obs, codes_after)
+
+    def _burst(
+        self,
+        ns: str,
+        n: int,
+        items: Sequence[tuple[str, Callable[[], Any]]],
+        obs: Observations,
+        *,
+        timeout: float,
+    ) -> Burst:
+        """Sends a phase's creates from `threads` client threads and waits until its watch has seen
+        N JobSets: what every phase measures the same way."""
         codes_before = apiserver_codes(self.cluster)
         audit_offset = self.cluster.layout.audit_log.stat().st_size
         sent: dict[str, float] = {}
@@ -621,30 +673,20 @@ class Bench:
         cpu_before = components_cpu(self.cluster)
         started = time.monotonic()
         create_all(items, sent, errors, self.threads)
-        created = time.monotonic() - started
-        wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 300)
-        all_seen = max(obs.jobset_seen.values()) - started
-        burst_cpu = cpu_between(cpu_before, components_cpu(self.cluster), n)
-        codes_after = apiserver_codes(self.cluster)
-        if finish:
-            wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
-        watcher.stop()
-        latencies = [obs.jobset_seen[r] - sent[r] for r in sent if r in obs.jobset_seen]
-        return {
-            "mode": mode,
-            "n": n,
-            "load_average_at_end": load_average(),
-            "client_seconds_to_send_all": round(created, 2),
-            "seconds_to_all_jobsets": round(all_seen, 2),
-            "create_to_jobset": percentiles(latencies),
-            "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
-            "client_errors": {str(k): v for k, v in errors.items()},
-            "apiserver_error_codes": storm_codes(codes_before, codes_after),
-            "cluster_cpu_to_all_jobsets": burst_cpu,
-            "latency_breakdown": latency_breakdown(
-                self.cluster.layout.audit_log, audit_offset, ns, sent, obs.jobset_seen
-            ),
-        }
+        client_seconds = time.monotonic() - started
+        wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, timeout)
+        return Burst(
+            namespace=ns,
+            n=n,
+            started=started,
+            client_seconds=client_seconds,
+            all_jobsets=max(obs.jobset_seen.values()) - started,
+            cluster_cpu=cpu_between(cpu_before, components_cpu(self.cluster), n),
+            sent=sent,
+            errors=errors,
+            codes_before=codes_before,
+            audit_offset=audit_offset,
+        )
 
     def finetune_creates(self, namespace: str, n: int) -> list[tuple[str, Callable[[], Any]]]:
         """The N TPUFineTune creates of a phase, for `create_all`."""
@@ -677,7 +719,7 @@ class Bench:
         ns = "bench-warmup"
         self.namespace(ns)
         obs = Observations()
-        watcher = WatchProcess(self.cluster.kubeconfig, [(FINETUNE.gvp, ns, obs.finetune_event)])
+        watcher = WatchProcess(self.cluster.kubeconfig, FINETUNE.gvp, ns, obs.finetune_event)
         watcher.start()
         create_all(self.finetune_creates(ns, WARMUP_RUNS), {}, Counter(), self.threads)
         wait_until("the warm-up runs Succeeded", lambda: len(obs.succeeded) >= WARMUP_RUNS, 300)
@@ -701,7 +743,6 @@ class Bench:
         wait_until("the operator's initial lists", lambda: operator_listed(audit_log), 120)
         self.warm_up()
         idle = proc_usage(pid)
-        offset = audit_log.stat().st_size
         spy = None
         if profile is not None:
             spy = subprocess.Popen(
@@ -712,61 +753,36 @@ class Bench:
             )  # fmt: skip
 
         obs = Observations()
-        # One process per watch: in one process, the TPUFineTunes' ~3 status events per run held up
-        # the JobSet events (at N=1000 on a busy machine the JobSet watch saw JobSets 2.4 s, p50, after
-        # the API server had stored them, against 0.04 s in the direct phase, whose process watches
-        # JobSets alone).
-        watchers = [
-            WatchProcess(self.cluster.kubeconfig, [(JOBSET.gvp, ns, obs.jobset_event)]),
-            WatchProcess(self.cluster.kubeconfig, [(FINETUNE.gvp, ns, obs.finetune_event)]),
+        watchers = [  # one process each: see WatchProcess
+            WatchProcess(self.cluster.kubeconfig, JOBSET.gvp, ns, obs.jobset_event),
+            WatchProcess(self.cluster.kubeconfig, FINETUNE.gvp, ns, obs.finetune_event),
         ]
         for watcher in watchers:
             watcher.start()
-        codes_before = apiserver_codes(self.cluster)
-        sent: dict[str, float] = {}
-        errors: Counter[int] = Counter()
-        items = self.finetune_creates(ns, n)
-        cpu_before = components_cpu(self.cluster)
-        started = time.monotonic()
-        create_all(items, sent, errors, self.threads)
-        created = time.monotonic() - started
-        wait_until(f"{n} JobSets", lambda: len(obs.jobset_seen) >= n, 600)
-        all_jobsets = max(obs.jobset_seen.values()) - started
-        burst_cpu = cpu_between(cpu_before, components_cpu(self.cluster), n)
+        burst = self._burst(ns, n, self.finetune_creates(ns, n), obs, timeout=600)
         at_jobsets = proc_usage(pid)
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # the burst of creates only; py-spy writes its output on SIGINT
             spy.wait(60)
         wait_until(f"{n} runs Succeeded", lambda: len(obs.succeeded) >= n, 1500)
-        all_succeeded = max(obs.succeeded.values(), default=started) - started
+        all_succeeded = max(obs.succeeded.values(), default=burst.started) - burst.started
         time.sleep(3)  # late writes (events) land in the audit log
         usage = proc_usage(pid)
         codes_after = apiserver_codes(self.cluster)
         process.stop()
         for watcher in watchers:
             watcher.stop()
-        latencies = [obs.jobset_seen[r] - sent[r] for r in sent if r in obs.jobset_seen]
         to_succeeded = [
             obs.succeeded[r] - obs.jobset_completed[r] for r in obs.succeeded if r in obs.jobset_completed
         ]
-        result = {
-            "mode": "operator",
-            "n": n,
-            "load_average_at_end": load_average(),
-            "client_seconds_to_send_all": round(created, 2),
-            "seconds_to_all_jobsets": round(all_jobsets, 2),
+        return {
+            **burst.figures("operator", self.cluster, obs, codes_after),
             "seconds_to_all_succeeded": round(all_succeeded, 2),
-            "create_to_jobset": percentiles(latencies),
-            "create_to_jobset_samples": [round(v, 4) for v in sorted(latencies)],
             "jobset_completed_to_succeeded": percentiles(to_succeeded),
             "jobset_completed_to_succeeded_samples": [round(v, 4) for v in sorted(to_succeeded)],
             "runs_seen_running": len(obs.running),
             "runs_succeeded": len(obs.succeeded),
-            "client_errors": {str(k): v for k, v in errors.items()},
-            "apiserver_error_codes": storm_codes(codes_before, codes_after),
-            "cluster_cpu_to_all_jobsets": burst_cpu,
-            "operator_api": audit_requests(audit_log, offset, n),
-            "latency_breakdown": latency_breakdown(audit_log, offset, ns, sent, obs.jobset_seen),
+            "operator_api": audit_requests(audit_log, burst.audit_offset, n),
             "operator_process": {
                 "idle": idle,
                 "at_all_jobsets": at_jobsets,
@@ -776,7 +792,6 @@ class Bench:
                 "cpu_ms_per_run": round(1000 * (usage["cpu_seconds"] - idle["cpu_seconds"]) / n, 2),
             },
         }
-        return result
 
 
 def start_cluster(log: Callable[[str], None]) -> LocalCluster:

@@ -24,11 +24,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 RESULTS = Path(__file__).parent / "results" / "recipes.json"
 DEVICES = 4
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=256,
     num_hidden_layers=4,
@@ -161,7 +161,8 @@ def hand_loop_worker() -> dict[str, Any]:
     mesh = xs.Mesh(np.arange(devices), (devices, 1), ("fsdp", "tensor"))
     xs.set_global_mesh(mesh)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_config()).to("xla")
+    model: Any = LlamaForCausalLM(_config())
+    model = model.to("xla")  # (transformers types `to` as if its first argument were the model)
 
     def shard_output(output: Any, mesh: Any) -> None:
         # Called for the model's output and every wrapped block's (a tensor, or a tuple starting with one).
@@ -182,7 +183,9 @@ def hand_loop_worker() -> dict[str, Any]:
     ids = torch.tensor(_token_rows())
     rows = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in ids]
     loader = pl.MpDeviceLoader(
-        DataLoader(rows, batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True),
+        DataLoader(
+            cast(Any, rows), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True
+        ),  # a list is a map-style dataset
         "xla",
         input_sharding=xs.ShardingSpec(mesh, ("fsdp", None)),
     )
@@ -257,7 +260,7 @@ def run_tpuft_train(config: dict[str, Any], path: Path, *, timeout: float) -> di
     )
     if done.returncode:
         raise SystemExit(f"tpuft train ({path.name}) failed:\n{done.stderr[-3000:]}")
-    return json.loads((Path(config["output"]["uri"]) / "tpuft-metrics.json").read_text())  # type: ignore[no-any-return]
+    return json.loads((Path(config["output"]["uri"]) / "tpuft-metrics.json").read_text())
 
 
 def _env() -> dict[str, str]:

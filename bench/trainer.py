@@ -19,7 +19,7 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "trainer.json"
 DEVICE_COUNTS = (1, 2, 4, 8)
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, vocab_size=512
 )
 SEQ_LEN, GLOBAL_BATCH, WARMUP_STEPS, TIMED_STEPS = 64, 16, 3, 10
@@ -67,6 +67,7 @@ def worker() -> dict[str, Any]:
     )
     trainer.train()
     per_device: dict[str, int] = {}
+    assert trainer.model is not None
     for param in trainer.model.parameters():
         for shard in torch_xla._XLAC._get_local_shards([param])[0]:
             tensor, device = shard
