@@ -18,6 +18,7 @@ from tpuft_trainer import recipe
 from tpuft_trainer.config import TrainingConfig
 from tpuft_trainer.fsdp_v2 import get_fsdp_training_args, use_fsdp_v2
 from tpuft_trainer.packing import Document, packed_rows
+from tpuft_trainer.train import peft_lora_config
 
 SEQ = 32
 # Documents of a few lengths, several to a row once packed.
@@ -68,9 +69,11 @@ def _logged(trainer: Any, key: str) -> list[float]:
     return [float(entry[key]) for entry in trainer.state.log_history if key in entry]
 
 
-def packing() -> dict[str, Any]:
+def packing(lora: bool = False) -> dict[str, Any]:
     """Training on packed rows keeps one graph; a document's logits packed equal its logits alone;
-    the same row without position ids (plain concatenation) leaks; no host sync per forward."""
+    the same row without position ids (plain concatenation) leaks; no host sync per forward.
+    ``lora``: the same with the model under a LoRA adapter, as `tpuft train` wraps it (peft's model
+    must pass the packed rows' position ids through to the base model)."""
     import torch
     import torch_xla
     from datasets import Dataset
@@ -79,6 +82,10 @@ def packing() -> dict[str, Any]:
     docs = _documents()
     rows = packed_rows(docs, SEQ, tiny.tokenizer().pad_token_id)
     model = tiny.model("llama")
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_lora_config(None))
     compiles: list[int] = []
 
     class Compiles(TrainerCallback):
@@ -123,6 +130,8 @@ def packing() -> dict[str, Any]:
         "max_abs_diff_concatenated_vs_alone": worst_leak,
         "transfers_in_forward": transfers_in_forward,
         "row_fill": sum(1 for label in rows["labels"][0] if label != -100) / SEQ,
+        "trainable_share": sum(p.numel() for p in model.parameters() if p.requires_grad)
+        / sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -189,7 +198,11 @@ def knobs() -> dict[str, Any]:
     return result
 
 
-CASES = {f.__name__: f for f in (packing, knobs)}
+def packing_lora() -> dict[str, Any]:
+    return packing(lora=True)
+
+
+CASES = {f.__name__: f for f in (packing, packing_lora, knobs)}
 
 if __name__ == "__main__":
     case, out_path = sys.argv[1], sys.argv[2]

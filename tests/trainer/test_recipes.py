@@ -83,6 +83,7 @@ SPMD_JOBS = {
     "recipe:train": everything_on,
     "recipe:train:stopped": everything_on_stopped_and_resumed,
     "recipe:packing@4": functools.partial(run_case, "packing", 4, "recipe_cases.py"),
+    "recipe:packing-lora@4": functools.partial(run_case, "packing_lora", 4, "recipe_cases.py"),
     "recipe:knobs@4": functools.partial(run_case, "knobs", 4, "recipe_cases.py"),
     "recipe:bad:gpt2-packing": gpt2_packing,
     "recipe:bad:eval-rows": too_few_eval_rows,
@@ -93,8 +94,9 @@ def result(pool: Pool, name: str) -> dict[str, Any]:
     return pool.get(name).result  # type: ignore[no-any-return]
 
 
-def test_packed_documents_do_not_see_each_other(pool: Pool) -> None:
-    found = result(pool, "recipe:packing@4")
+@pytest.mark.parametrize("case", ["recipe:packing@4", "recipe:packing-lora@4"])
+def test_packed_documents_do_not_see_each_other(pool: Pool, case: str) -> None:
+    found = result(pool, case)
     assert found["documents_compared"] >= 8
     assert found["row_fill"] > 0.6  # several short documents to a row
     assert found["max_abs_diff_packed_vs_alone"] < 1e-4, found
@@ -103,6 +105,10 @@ def test_packed_documents_do_not_see_each_other(pool: Pool) -> None:
     assert found["transfers_in_forward"] == 0  # compat.packed_mask_on_device: no host sync per forward
     assert len(set(found["compiles"][2:])) == 1, found["compiles"]  # after warm-up, one graph for all steps
     assert found["losses"][-1] < found["losses"][0]
+    # the LoRA case trains its adapter alone (the base weights are frozen), the other everything
+    assert (found["trainable_share"] < 0.5) == case.startswith("recipe:packing-lora"), found[
+        "trainable_share"
+    ]
 
 
 def test_gradient_clipping_under_fsdp_v2_clips(pool: Pool) -> None:

@@ -21,6 +21,7 @@ from tpuft_trainer import data, dpo, evaluation, fsdp_v2, packing, recipe, stora
 from tpuft_trainer import mesh as mesh_module
 from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, process_start_time
+from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
 from tpuft_trainer.pod_contract import (
@@ -155,7 +156,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     if training.method == "lora" and not preference:  # (trl's DPOTrainer adds the adapter itself)
         from peft import get_peft_model
 
-        model = get_peft_model(model, _lora_config(config))
+        model = get_peft_model(model, peft_lora_config(config.training.lora))
     global_batch = training.per_device_batch_size * shape.batch_ways
     if preference:
         dataset, eval_dataset = _preference_datasets(config, tokenizer)
@@ -344,12 +345,11 @@ def _throughput(
     record.flops_per_token = flops
 
 
-def _lora_config(config: TrainerConfig) -> Any:
+def peft_lora_config(settings: LoraSettings | None) -> Any:
+    """peft's LoraConfig for a run's ``training.lora`` (its defaults when unset)."""
     from peft import LoraConfig
 
-    from tpuft_trainer.config import LoraConfig as LoraSettings
-
-    lora = config.training.lora or LoraSettings()
+    lora = settings or LoraSettings()
     peft_config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -403,7 +403,7 @@ def _build_trainer(
     callbacks = [_tensorboard(output / TENSORBOARD_DIR)] if is_rank_zero else []
     if training.objective == "dpo":
         # With LoRA trl adds the adapter, and computes the reference with it disabled.
-        lora = _lora_config(config) if training.method == "lora" else None
+        lora = peft_lora_config(config.training.lora) if training.method == "lora" else None
         return dpo.build_trainer(
             config,
             model,
