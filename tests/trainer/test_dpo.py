@@ -108,6 +108,18 @@ def lora_kill_and_resume() -> tuple[Proc, Proc, Path]:
     return killed, resumed, output
 
 
+def full_tensor_parallel() -> tuple[Proc, Path]:
+    """Full DPO on a 2 x 2 mesh (fsdp x tensor): the frozen reference must be split like the policy."""
+    config, output = write_config(
+        {
+            "dataset": {"name": str(materials()["pairs"]), "format": "preference"},
+            "fsdp": {"mesh": {"fsdp": 2, "tensor": 2}},
+            "training": {"objective": "dpo", **TRAINING, "max_steps": 2},
+        }
+    )
+    return run_train(config), output
+
+
 def missing_field() -> Proc:
     config, _ = dpo_config({"rejected_field": "worse"}, max_steps=2)
     return run_train(config, 2)
@@ -115,6 +127,7 @@ def missing_field() -> Proc:
 
 SPMD_JOBS = {
     "dpo:full": full,
+    "dpo:full-tensor-parallel": full_tensor_parallel,
     "dpo:stop-resume@2": stop_and_resume_on_two_devices,
     "dpo:lora-resume": lora_kill_and_resume,
     "dpo:missing-field": missing_field,
@@ -155,6 +168,18 @@ def test_full_dpo_reference_is_sharded_like_the_policy(pool: Pool) -> None:
     assert reference and set(reference) == set(policy)
     assert reference == policy
     assert reference["_orig_module.lm_head.weight"] == "{devices=[4,1]0,1,2,3}"
+
+
+def test_full_dpo_reference_is_split_over_the_tensor_axis_like_the_policy(pool: Pool) -> None:
+    proc, output = pool.get("dpo:full-tensor-parallel")
+    assert proc.returncode == 0, proc.tail()
+    record = metrics(output)
+    assert record["mesh_during_training"] == {"dcn": 1, "data": 1, "fsdp": 2, "tensor": 2}
+    assert record["tensor_parallel_weights"] == 2 * 7  # q k v o gate up down, two layers
+    policy, reference = record["parameter_sharding"], record["reference_sharding"]
+    assert reference == policy
+    split = [name for name, spec in reference.items() if name.endswith("_proj.weight") and "[2,2]" in spec]
+    assert len(split) == 2 * 7, reference
 
 
 def test_dpo_compiles_stay_flat_after_warm_up(pool: Pool) -> None:

@@ -111,13 +111,19 @@ def load_reference(config: TrainerConfig, location: str) -> Any | None:
 
 
 def shard_reference(trainer: Any) -> None:
-    """Wrap the reference with the Trainer's own FSDPv2 function (the policy's is wrapped in ``train``):
-    the same layer classes, the same parameter sharding over the same mesh."""
+    """Wrap the reference with the Trainer's own FSDPv2 function (the policy's is wrapped in ``train``)
+    and split its projections over the ``tensor`` axis as the policy's are (mesh.shard_tensor_parallel,
+    which train.py applies to the policy when training begins): the same layer classes, the same
+    parameter sharding over the same mesh, so the frozen copy costs P / (fsdp x tensor) per chip too."""
     if getattr(trainer, "ref_model", None) is None:
         return
+    import torch_xla.distributed.spmd as xs
     import transformers.trainer
 
+    from tpuft_trainer.mesh import shard_tensor_parallel
+
     trainer.ref_model = transformers.trainer.wrap_model_xla_fsdp(trainer.ref_model, trainer.args, True)
+    shard_tensor_parallel(trainer.ref_model, xs.get_global_mesh())
     trainer.ref_model.eval()
 
 
