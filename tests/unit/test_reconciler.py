@@ -308,8 +308,21 @@ def test_a_first_status_that_is_unschedulable_posts_the_unschedulable_warning() 
     assert events.posted == ["JobSetCreated", "Unschedulable"]
 
 
-def test_concurrent_first_runs_of_a_namespace_create_its_identity_once() -> None:
+def reconcile_first_runs_at_once(r: Reconciler, n: int) -> list[Any]:
+    """Starts the first reconciles of ``n`` new runs of one namespace, each on a thread; returns them."""
     import threading
+
+    threads = []
+    for i in range(n):
+        run = new_run()
+        run["metadata"].update(name=f"r{i}", uid=f"u-{i}")
+        threads.append(threading.Thread(target=r.reconcile, args=(run, None, []), kwargs={"event": Events()}))
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_concurrent_first_runs_of_a_namespace_create_its_identity_once() -> None:
     import time
 
     class SlowApi(RecordingApi):
@@ -319,16 +332,7 @@ def test_concurrent_first_runs_of_a_namespace_create_its_identity_once() -> None
 
     api = SlowApi()
     r, _ = reconciler(api)
-    runs = []
-    for i in range(8):
-        run = new_run()
-        run["metadata"].update(name=f"r{i}", uid=f"u-{i}")
-        runs.append(run)
-    threads = [
-        threading.Thread(target=r.reconcile, args=(run, None, []), kwargs={"event": Events()}) for run in runs
-    ]
-    for t in threads:
-        t.start()
+    threads = reconcile_first_runs_at_once(r, 8)
     for t in threads:
         t.join()
     assert len([c for c in api.calls if c[0] == "ensure"]) == 3
@@ -578,16 +582,7 @@ def test_the_jobset_is_sent_without_waiting_for_the_namespace_account() -> None:
 
     api = SlowAccountApi()
     r, _ = reconciler(api)
-    runs = []
-    for i in range(3):
-        run = new_run()
-        run["metadata"].update(name=f"r{i}", uid=f"u-{i}")
-        runs.append(run)
-    threads = [
-        threading.Thread(target=r.reconcile, args=(run, None, []), kwargs={"event": Events()}) for run in runs
-    ]
-    for t in threads:
-        t.start()
+    threads = reconcile_first_runs_at_once(r, 3)
     assert sending.wait(10)
     deadline = time.monotonic() + 10
     while api.calls.count(("create", "JobSet")) < 3 and time.monotonic() < deadline:
