@@ -183,9 +183,8 @@ def hand_loop_worker() -> dict[str, Any]:
     ids = torch.tensor(_token_rows())
     rows = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in ids]
     loader = pl.MpDeviceLoader(
-        DataLoader(
-            cast(Any, rows), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True
-        ),  # a list is a map-style dataset
+        # a list is a map-style dataset (torch types the argument as a Dataset)
+        DataLoader(cast(Any, rows), batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True),
         "xla",
         input_sharding=xs.ShardingSpec(mesh, ("fsdp", None)),
     )

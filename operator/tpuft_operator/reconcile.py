@@ -221,8 +221,7 @@ class NamespaceIdentities:
             if sent is not None:
                 return sent
             sent = self._accounts[namespace] = Future()
-        account = namespace_objects(namespace)[0]
-        assert account["kind"] == "ServiceAccount"
+        account = next(obj for obj in namespace_objects(namespace) if obj["kind"] == "ServiceAccount")
 
         def create() -> None:
             try:
