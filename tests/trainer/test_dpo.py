@@ -69,11 +69,14 @@ def full() -> tuple[Proc, Path, TrainerConfig]:
     return run_train(config), output, TrainerConfig.load(config)
 
 
-def dpo_config(dataset: dict[str, Any] | None = None, **training: Any) -> tuple[Path, Path]:
+def dpo_config(
+    dataset: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None, **training: Any
+) -> tuple[Path, Path]:
     return write_config(
         {
             "dataset": {"name": str(materials()["pairs"]), "format": "preference", **(dataset or {})},
             "training": {"objective": "dpo", "save_steps": SAVE, **TRAINING, **training},
+            **({"fsdp": fsdp} if fsdp else {}),
         }
     )
 
@@ -110,13 +113,7 @@ def lora_kill_and_resume() -> tuple[Proc, Proc, Path]:
 
 def full_tensor_parallel() -> tuple[Proc, Path]:
     """Full DPO on a 2 x 2 mesh (fsdp x tensor): the frozen reference must be split like the policy."""
-    config, output = write_config(
-        {
-            "dataset": {"name": str(materials()["pairs"]), "format": "preference"},
-            "fsdp": {"mesh": {"fsdp": 2, "tensor": 2}},
-            "training": {"objective": "dpo", **TRAINING, "max_steps": 2},
-        }
-    )
+    config, output = dpo_config(fsdp={"mesh": {"fsdp": 2, "tensor": 2}}, max_steps=2)
     return run_train(config), output
 
 
