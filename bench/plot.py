@@ -119,7 +119,8 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
 
     machine = results.get("machine", {})
     fig.suptitle(
-        f"tpuft operator vs direct JobSet creation - {machine.get('cpus')} CPUs, "
+        "tpuft operator vs direct JobSet creation and a zero-reaction controller - "
+        f"{machine.get('cpus')} CPUs ({machine.get('cpu_model')}), "
         f"{machine.get('memory_gib')} GiB; load average (1/5/15 min) before "
         f"{results.get('load_average_before')}, after {results.get('load_average_after')}"
     )

@@ -10,9 +10,9 @@ are by then. So:
 - runs that still need their JobSet go first: creating JobSets is what users wait for, while a
   status that says Running a second later costs them nothing. Under a burst of 300 creates the
   pod events of the first runs no longer delay the creation of the last ones;
-- while JobSets are being created (`creating()`: runs needing one wait or are being reconciled, or
-  one was marked within QUIET_SECONDS), the other runs wait, up to HOLD_SECONDS each: their status
-  writes would compete with the creates for the same API server.
+- while JobSets are being created (a burst: runs needing one wait or are being reconciled, or one
+  was marked within QUIET_SECONDS; `wait_quiet` waits for its end), the other runs wait, up to
+  HOLD_SECONDS each: their status writes would compete with the creates for the same API server.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class WorkQueue:
         # Marked runs -> whether urgent. A run is in a deque unless it is being processed; a deque
         # may hold a stale copy of a run that was promoted or already taken (skipped when met).
         self._waiting: dict[Key, bool] = {}
-        self._urgent_waiting = 0  # how many of `_waiting` are urgent: `creating()` reads it on every get
+        self._urgent_waiting = 0  # how many of `_waiting` are urgent: `_creating_now` reads it on every get
         self._processing: set[Key] = set()
         self._marked_at: dict[Key, float] = {}  # the first mark of each waiting run (monotonic)
         self._creating: set[Key] = set()  # urgent runs being reconciled
@@ -83,11 +83,6 @@ class WorkQueue:
                 else:
                     self._cond.wait(hold)
             return None
-
-    def creating(self) -> bool:
-        """Whether a burst of JobSet creation is going on (see the module's docstring)."""
-        with self._cond:
-            return self._creating_now(time.monotonic())
 
     def wait_quiet(self, timeout: float) -> bool:
         """Waits until no burst of JobSet creation is going on, at most ``timeout`` seconds; returns
