@@ -63,6 +63,8 @@ class OperatorSettings:
         "start at once is reported Running in one write instead of Pending then Running. 0: at once.",
         "TPUFT_STATUS_SETTLE_SECONDS",
     )
+    # 32: measured best for a burst of 100 runs on 2 CPUs (docs/benchmarks.md, 8/16/32/64 workers):
+    # fewer keep too few JobSet POSTs in flight, more only share the API server's CPU more thinly.
     workers: int = _setting(
         32,
         "Reconciles that run at once (threads; they mostly wait on the API server).",
