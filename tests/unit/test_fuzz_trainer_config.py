@@ -114,6 +114,27 @@ def test_mutated_config_parses_or_raises_validation_error(
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(max_size=60), st.text(max_size=60), st.text(min_size=1, max_size=60))
+def test_any_strings_render_to_yaml_that_reads_back_the_same(model: str, dataset: str, uri: str) -> None:
+    """The operator writes each run's config with LibYAML's emitter (fast) where PyYAML has it: whatever
+    the strings of a spec, the text reads back to the same config. (Its text is PyYAML's own but for
+    where a long double-quoted string is folded; the golden files hold the examples' text.)"""
+    data = copy.deepcopy(VALID)
+    data["model"]["name"], data["dataset"]["name"], data["output"]["uri"] = model, dataset, uri
+    try:
+        config = TrainerConfig.model_validate(data)
+    except ValidationError:
+        return
+    text = config.to_yaml()
+    assert TrainerConfig.from_yaml(text) == config
+
+
+def test_configs_are_written_with_libyaml() -> None:
+    # The speed the operator's burst of creates relies on (docs/benchmarks.md); PyYAML's wheels have it.
+    assert yaml.__with_libyaml__, "PyYAML was built without LibYAML: reinstall it from a wheel"
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=200))
 def test_any_text_parses_or_raises_config_errors(text: str) -> None:
     check(TrainerConfig.from_yaml, text)
