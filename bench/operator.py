@@ -10,10 +10,12 @@ cannot weigh on the next: deleting them is slow here, and a cluster comes up in 
 2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
    the same specs, created the same way (each carries its trainer config). The namespace's trainer
    ServiceAccount is created first, untimed, so their pods start exactly as the operator's do.
-3. *zero-reaction*, still without the operator: a controller that takes no time at all. Each client
-   thread creates a TPUFineTune and, once it is stored, its JobSet (rendered beforehand). Every
-   controller pays for both creates on the same API server; the direct phase pays for the JobSets
-   only, so on a CPU-bound API server it is a limit no controller can reach.
+3. *zero-reaction*, still without the operator: a controller that takes no time at all. The client
+   creates the TPUFineTunes as in the operator phase, and the moment each is stored its JobSet
+   (rendered beforehand) is sent from a pool of as many threads as the operator has workers: the
+   same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
+   same API server; the direct phase pays for the JobSets only, so on a CPU-bound API server it is
+   a limit no controller can reach.
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
@@ -50,7 +52,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -71,6 +73,7 @@ from tpuft_operator.api.models import Phase
 from tpuft_operator.api.resources import FINETUNE, JOBSET, POD
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.render.jobset import FINETUNE_LABEL
+from tpuft_operator.settings import OperatorSettings
 
 RESULTS = Path(__file__).parent / "results" / "operator.json"
 # `--threads 1 --output` this: runs that arrive one after another, no flood of creates to compete with.
@@ -309,6 +312,20 @@ class Observations:
             self.succeeded.setdefault(name, at)
 
 
+def retried(name: str, create: Callable[[], Any], errors: Counter[int]) -> None:
+    """``create()``, tried again (5 times in all) on a failure but a conflict (already created)."""
+    for _ in range(5):
+        try:
+            create()
+            return
+        except ApiException as error:
+            errors[int(error.status or 0)] += 1
+            if error.status == 409:
+                return
+            time.sleep(0.2)
+    raise RuntimeError(f"could not create {name}")
+
+
 def create_all(
     items: Sequence[tuple[str, Callable[[], Any]]],
     sent: dict[str, float],
@@ -318,18 +335,8 @@ def create_all(
     """Runs every create on ``threads`` threads, as fast as they go; records when each was sent."""
 
     def one(item: tuple[str, Callable[[], Any]]) -> None:
-        name, create = item
-        for _ in range(5):
-            sent.setdefault(name, time.monotonic())
-            try:
-                create()
-                return
-            except ApiException as error:
-                errors[int(error.status or 0)] += 1
-                if error.status == 409:
-                    return
-                time.sleep(0.2)
-        raise RuntimeError(f"could not create {name}")
+        sent.setdefault(item[0], time.monotonic())
+        retried(*item, errors)
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, items))
@@ -614,30 +621,47 @@ class Bench:
         return self._created_by_client("direct", ns, n, items, finish=True)
 
     def zero_reaction(self, n: int) -> dict[str, Any]:
-        """A controller that takes no time at all, the operator stopped: each client thread creates a
-        TPUFineTune and, as soon as the API server has stored it, its JobSet (rendered beforehand, the
-        stored object's uid filled in). Every controller pays what this phase pays (both creates, on
-        the same API server, in the same order) and more; the operator's latency is judged against it
-        as well as against the direct phase (`bench.__main__.zero_reaction_limit`)."""
+        """A controller that takes no time at all, the operator stopped: the client's threads create
+        the TPUFineTunes exactly as in the operator phase, and the moment the API server has stored
+        one, its JobSet (rendered beforehand, the stored object's uid filled in) is sent from a pool
+        of as many threads as the operator has workers. The same arrivals, the same creates in
+        flight, no reaction: every controller pays what this phase pays (both creates, on the same API
+        server, in the same order) and more; the operator's latency is judged against it as well as
+        against the direct phase (`bench.__main__.zero_reaction_limit`).
+
+        (Until 2026-12-03 each client thread created a TPUFineTune and then its JobSet before its next
+        TPUFineTune: the arrivals slowed to the pace of the creates, so no run waited inside the API
+        server, and its p99 left out the queueing that the operator phase's includes.)"""
         ns = f"bench-zero-{n}"
         custom = client.CustomObjectsApi(self.api)
         runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
         (fg, fv, fp), (jg, jv, jp) = FINETUNE.gvp, JOBSET.gvp
         finetunes, jobsets = (fg, fv, ns, fp), (jg, jv, ns, jp)
+        workers = int(os.environ.get("TPUFT_WORKERS") or OperatorSettings().workers)
+        controller = ThreadPoolExecutor(workers, thread_name_prefix="zero-reaction")
+        reactions: list[Future[None]] = []
+        errors: Counter[int] = Counter()
 
-        def both(name: str, jobset: str) -> None:
+        def then_jobset(name: str, jobset: str) -> None:
             created = cast(
-                dict[str, Any],
-                custom.create_namespaced_custom_object(*finetunes, finetune(name, ns)),
+                dict[str, Any], custom.create_namespaced_custom_object(*finetunes, finetune(name, ns))
             )
             own = json.loads(jobset.replace(PLACEHOLDER_UID, created["metadata"]["uid"]))
-            custom.create_namespaced_custom_object(*jobsets, own)
+            create = partial(custom.create_namespaced_custom_object, *jobsets, own)
+            reactions.append(controller.submit(retried, name, create, errors))
 
         items = [
-            (name, partial(both, name, json.dumps(run.jobset)))
+            (name, partial(then_jobset, name, json.dumps(run.jobset)))
             for name, run in zip(names(n), runs, strict=True)
         ]
-        return self._created_by_client("zero-reaction", ns, n, items, finish=False)
+        try:
+            result = self._created_by_client("zero-reaction", ns, n, items, finish=False)
+        finally:
+            controller.shutdown(wait=True)
+        for reaction in reactions:
+            reaction.result()  # a JobSet that could not be created fails the benchmark, saying which
+        result["controller_errors"] = {str(k): v for k, v in errors.items()}
+        return result
 
     def _created_by_client(
         self, mode: str, ns: str, n: int, items: Sequence[tuple[str, Callable[[], Any]]], *, finish: bool
