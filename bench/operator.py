@@ -16,6 +16,11 @@ cannot weigh on the next: deleting them is slow here, and a cluster comes up in 
    same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
    same API server; the direct phase pays for the JobSets only, so on a CPU-bound API server it is
    a limit no controller can reach.
+4. *zero-reaction, watched*: the same, while another process holds the watches the operator holds
+   (`OperatorWatches`: TPUFineTunes, their JobSets and pods, the TPU nodes), decoding every event
+   and dropping it. A controller that reports a run's pods and JobSet must watch them, and the API
+   server pays for every event it sends (~13 per run); this is the least such a controller can do.
+   Phases 3 and 4 swap places every round: neither is always the later one.
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
@@ -74,6 +79,7 @@ from tpuft_operator.api.resources import FINETUNE, JOBSET, POD
 from tpuft_operator.render import RenderedRun, RenderSettings, render_run
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.settings import OperatorSettings
+from tpuft_operator.topology import ACCELERATOR_LABEL
 
 RESULTS = Path(__file__).parent / "results" / "operator.json"
 # `--threads 1 --output` this: runs that arrive one after another, no flood of creates to compete with.
@@ -228,6 +234,90 @@ def _watch(
     ready.set()
     stop.wait()
     watcher.stopped.set()
+
+
+class OperatorWatches:
+    """The watches the operator holds (watches.py, with main.configure_kopf's server-side label
+    selectors), in a process of their own, without the operator: each lists, then watches from the
+    listing's resourceVersion, and decodes every event to a dict (as kopf's client does) and drops it.
+    Kueue's Workloads are left out: the benchmark installs no Kueue, and the operator's watch of them
+    is then a 404 every 10 s."""
+
+    KINDS = ("tpufinetunes", "jobsets", "pods", "nodes")
+
+    def __init__(self, kubeconfig: Path) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop, self._ready = context.Event(), context.Event()
+        self._events = context.Array("q", len(self.KINDS))
+        self._process = context.Process(
+            target=_operator_watches,
+            args=(str(kubeconfig), self._events, self._stop, self._ready),
+            daemon=True,
+        )
+        self._before: list[int] = []
+
+    def start(self, timeout: float = 90) -> None:
+        """Starts the watches; returns once every one has listed."""
+        self._process.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the operator's watches did not start")
+        self._before = self._events[:]
+
+    def stop(self) -> dict[str, int]:
+        """Stops the watches; returns the events each received since `start` returned."""
+        now = self._events[:]
+        counts = {kind: now[i] - self._before[i] for i, kind in enumerate(self.KINDS)}
+        self._stop.set()
+        self._process.join(15)
+        return counts
+
+
+def _operator_watches(kubeconfig: str, events: Any, stop: Any, ready: Any) -> None:
+    """The body of `OperatorWatches`: a thread per watch; ``events[i]`` counts the i-th's events."""
+    api = api_client(Path(kubeconfig))
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    watches: list[tuple[Callable[..., Any], tuple[str, ...], dict[str, Any]]] = [
+        (custom.list_cluster_custom_object, FINETUNE.gvp, {}),
+        (custom.list_cluster_custom_object, JOBSET.gvp, {"label_selector": FINETUNE_LABEL}),
+        (core.list_pod_for_all_namespaces, (), {"label_selector": FINETUNE_LABEL}),
+        (core.list_node, (), {"label_selector": ACCELERATOR_LABEL}),
+    ]
+    listed = threading.Barrier(len(watches) + 1)
+
+    def follow(index: int, func: Callable[..., Any], args: tuple[str, ...], kwargs: dict[str, Any]) -> None:
+        version, first = "", True
+        while not stop.is_set():
+            try:
+                if not version:  # list, then watch from the listing
+                    listing = json.loads(func(*args, _preload_content=False, **kwargs).data)
+                    version = listing["metadata"]["resourceVersion"]
+                    if first:
+                        first = False
+                        listed.wait(60)
+                for event in watch.Watch().stream(
+                    func,
+                    *args,
+                    resource_version=version,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=30,
+                    deserialize=False,  # json.loads only, as kopf's client
+                    **kwargs,
+                ):
+                    version = event["object"]["metadata"].get("resourceVersion") or version
+                    with events.get_lock():
+                        events[index] += 1
+                    if stop.is_set():
+                        return
+            except ApiException as error:
+                if error.status != 410:
+                    raise
+                version = ""  # expired: list again
+
+    for index, (func, args, kwargs) in enumerate(watches):
+        threading.Thread(target=follow, args=(index, func, args, kwargs), daemon=True).start()
+    listed.wait(60)
+    ready.set()
+    stop.wait()
 
 
 def _put(out: Any, type_: str, obj: dict[str, Any], at: float) -> None:
@@ -620,7 +710,7 @@ class Bench:
         # The node pools must be free for the next phase's runs: these finish first (untimed).
         return self._created_by_client("direct", ns, n, items, finish=True)
 
-    def zero_reaction(self, n: int) -> dict[str, Any]:
+    def zero_reaction(self, n: int, *, watched: bool = False) -> dict[str, Any]:
         """A controller that takes no time at all, the operator stopped: the client's threads create
         the TPUFineTunes exactly as in the operator phase, and the moment the API server has stored
         one, its JobSet (rendered beforehand, the stored object's uid filled in) is sent from a pool
@@ -629,10 +719,13 @@ class Bench:
         server, in the same order) and more; the operator's latency is judged against it as well as
         against the direct phase (`bench.__main__.zero_reaction_limit`).
 
+        ``watched``: while `OperatorWatches` holds the operator's watches (phase 4).
+
         (Until 2026-12-03 each client thread created a TPUFineTune and then its JobSet before its next
         TPUFineTune: the arrivals slowed to the pace of the creates, so no run waited inside the API
         server, and its p99 left out the queueing that the operator phase's includes.)"""
-        ns = f"bench-zero-{n}"
+        mode = "zero-reaction-watched" if watched else "zero-reaction"
+        ns = f"bench-{mode.replace('-reaction', '')}-{n}"
         custom = client.CustomObjectsApi(self.api)
         runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
         (fg, fv, fp), (jg, jv, jp) = FINETUNE.gvp, JOBSET.gvp
@@ -654,10 +747,19 @@ class Bench:
             (name, partial(then_jobset, name, json.dumps(run.jobset)))
             for name, run in zip(names(n), runs, strict=True)
         ]
+        watches = OperatorWatches(self.cluster.kubeconfig) if watched else None
+        events: dict[str, int] = {}
+        if watches is not None:
+            watches.start()
         try:
-            result = self._created_by_client("zero-reaction", ns, n, items, finish=False)
+            # finish: the other zero-reaction phase follows on free node pools, without this one's pods
+            result = self._created_by_client(mode, ns, n, items, finish=True)
         finally:
             controller.shutdown(wait=True)
+            if watches is not None:
+                events = watches.stop()
+        if watches is not None:  # from the first create until the JobSets completed
+            result["operator_watch_events_per_run"] = {kind: round(v / n, 2) for kind, v in events.items()}
         for reaction in reactions:
             reaction.result()  # a JobSet that could not be created fails the benchmark, saying which
         result["controller_errors"] = {str(k): v for k, v in errors.items()}
@@ -872,13 +974,16 @@ def main(
             operator_phase = bench.operator(n, profile=spy)
             print(f">> N={n}: direct JobSet creation (the limit)")
             direct_phase = bench.direct(n)
-            print(
-                f">> N={n}: a zero-reaction controller (the client creates each TPUFineTune and its JobSet)"
-            )
-            zero_phase = bench.zero_reaction(n)
-            for phase in (direct_phase, operator_phase, zero_phase):
+            zero_phases = []
+            for watched in (False, True) if round_ % 2 == 0 else (True, False):
+                held = ", the operator's watches held" if watched else ""
+                print(
+                    f">> N={n}: a zero-reaction controller (the client creates each TPUFineTune and its JobSet){held}"
+                )
+                zero_phases.append(bench.zero_reaction(n, watched=watched))
+            for phase in (direct_phase, operator_phase, *zero_phases):
                 phase["round"] = round_
-            phases += [direct_phase, operator_phase, zero_phase]
+            phases += [direct_phase, operator_phase, *zero_phases]
             print(summary_line(direct_phase, operator_phase))
         finally:
             if not (keep_cluster and (round_, n) == plan[-1]):

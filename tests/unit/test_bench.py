@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.__main__ import creation_bound, round_figures
+from bench.__main__ import creation_bound, operator_report, round_figures
 from bench.operator import OPERATOR_USER, audit_requests, latency_breakdown, percentiles
 
 
@@ -148,6 +148,44 @@ def test_a_round_is_judged_against_direct_creation_and_against_a_zero_reaction_c
     assert figures["operator_errors"] == 1
     older = round_figures(operator_phase, direct)  # results of a run without the zero-reaction phase
     assert older["zero_limit"] is None and older["all_to_zero"] is None
+
+
+def test_a_round_is_judged_against_the_zero_reaction_controller_that_holds_the_operators_watches() -> None:
+    operator_phase = {
+        "create_to_jobset": {"p99": 2.0, "min": 0.5},
+        "create_to_jobset_samples": [],
+        "client_seconds_to_send_all": 1.0,
+        "seconds_to_all_jobsets": 4.0,
+        "operator_api": {"writes_to_running_without_events_mean": 3, "by_code": {"201": 9}},
+        "operator_process": {"peak_rss_mb": 90.0, "cpu_ms_per_run": 40.0},
+    }
+    direct = {"create_to_jobset": {"p99": 0.5}, "seconds_to_all_jobsets": 3.0}
+    zero = {"create_to_jobset": {"p99": 0.4, "min": 0.05}, "seconds_to_all_jobsets": 3.5}
+    watched = {"create_to_jobset": {"p99": 1.5, "min": 0.3}, "seconds_to_all_jobsets": 5.0}
+    figures = round_figures(operator_phase, direct, zero, watched)
+    assert figures["watched_limit"] == pytest.approx(0.99 * 4.0)  # its all JobSets - the send time
+    assert figures["p99_to_watched_limit"] == pytest.approx(2.0 / (0.99 * 4.0))
+    assert figures["all_to_watched"] == pytest.approx(4.0 / 5.0)  # the operator was faster
+    assert figures["watched_fastest"] == 0.3
+    assert round_figures(operator_phase, direct, zero)["watched_limit"] is None
+
+
+def test_the_report_shows_the_watched_zero_reaction_controller_where_it_ran() -> None:
+    results = json.loads((Path(__file__).parents[2] / "bench/results/operator-open-loop.json").read_text())
+    before = "\n".join(operator_report(results))
+    assert "the operator's watches held" not in before  # results of a run without that phase
+    round_one = [p for p in results["phases"] if p.get("round", 0) == 0]
+    for phase in [p for p in round_one if p["mode"] == "zero-reaction"]:
+        slower = {
+            **phase,
+            "mode": "zero-reaction-watched",
+            "seconds_to_all_jobsets": 2 * phase["seconds_to_all_jobsets"],
+        }
+        results["phases"].append({**slower, "operator_watch_events_per_run": {"pods": 7.5, "jobsets": 5.0}})
+    report = "\n".join(operator_report(results))
+    assert report.count("the same, the operator's watches held (12.5 events per run)") == 2  # N=100, 300
+    assert report.count("against a zero-reaction controller that holds the operator's watches") == 2
+    assert "operator/direct/zero-reaction/watched" in report
 
 
 def test_percentiles() -> None:
