@@ -36,6 +36,9 @@ def spmd_env(devices: int, **extra: str) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         KUBECONFIG="/nonexistent/kubeconfig",  # progress must not reach any real cluster
         TPUFT_CACHE_DIR=tempfile.mkdtemp(prefix="tpuft-cache-"),
+        # A native abort of a case ("terminate called without an active exception", seen once in CI
+        # in compat_needed) then prints every thread's Python stack, which the failure message shows.
+        PYTHONFAULTHANDLER="1",
     )
     env.update(extra)
     return env
