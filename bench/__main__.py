@@ -150,6 +150,22 @@ def medians(results: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return out
 
 
+def phase_orders(results: dict[str, Any]) -> list[str]:
+    """How the phases of each round ran: on clusters of their own (and in which order), or one after
+    another on the round's cluster (results before 2026-12-03 evening: a later phase inherited the
+    runs of the earlier ones)."""
+    if not results.get("cluster_per_phase"):
+        return ["phases: one after another on one cluster per round (operator first, direct second)"]
+    orders: dict[int, list[tuple[int, str]]] = {}
+    for phase in results["phases"]:
+        orders.setdefault(phase.get("round", 0), []).append((phase.get("position", 0), phase["mode"]))
+    shown = "; ".join(
+        f"{round_ + 1}: " + ", ".join(dict.fromkeys(mode for _, mode in sorted(placed)))
+        for round_, placed in sorted(orders.items())
+    )
+    return [f"phases: each on a fresh cluster of its own, warmed up alike; their order by round: {shown}"]
+
+
 def operator_report(results: dict[str, Any]) -> list[str]:
     machine = results["machine"]
     lines = [
@@ -159,6 +175,7 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         f"{'all JobSets op/direct s':>23} {'done->Succ p50/p99':>18} {'writes/run':>10} {'to Running':>10} "
         f"{'409/429/5xx':>11} {'RSS MB':>6} {'CPU ms/run':>10}",
     ]
+    lines += phase_orders(results)
     phases = {(p["n"], p.get("round", 0), p["mode"]): p for p in results["phases"]}
     for n, round_, mode in sorted(phases):
         if mode != "operator" or (n, round_, "direct") not in phases:
@@ -179,6 +196,10 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             f"{str(storm['409']) + '/' + str(storm['429']) + '/' + str(storm['5xx']):>11} "
             f"{proc['peak_rss_mb']:>6} {proc['cpu_ms_per_run']:>10}"
         )
+        during = api.get("other_writes_until_last_jobset")
+        if during is not None:
+            shown = ", ".join(f"{count} {kind}" for kind, count in during.items()) or "none"
+            lines.append(f"{'':>11} the operator's other writes until its last JobSet create: {shown}")
         if zero is not None:
             z = zero["create_to_jobset"]
             lines.append(

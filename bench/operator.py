@@ -1,16 +1,20 @@
 """The operator at scale, side by side with the limit, on the local cluster (`LocalCluster("bench")`).
 
-For each N (100, 300, 1000 by default), on a fresh cluster each time (so one N's finished runs
-cannot weigh on the next: deleting them is slow here, and a cluster comes up in ~15 s):
+For each N (100, 300, 1000 by default), `repeat` rounds of four phases. **Every phase runs on a fresh
+cluster of its own**, warmed up the same way (`Bench.warm_up`: WARMUP_RUNS runs through a fresh
+operator, until they have Succeeded): no phase inherits the N runs of another (on one cluster a
+later phase paid ~12% per place, and the operator's phase, always first, was flattered by it), and
+the order of the phases is rotated one place a round (`phase_order`), so the machine's drift during
+a round favours none of them.
 
-1. *operator*: a fresh `tpuft operator` process (as the chart's ServiceAccount, with the chart's
-   RBAC, watching all namespaces as the chart does by default), warmed up by WARMUP_RUNS runs (untimed),
-   and N TPUFineTunes created by a client as fast as it can (16 threads); then it waits for every
-   run to be `Succeeded`.
-2. *direct* (the limit), with the operator stopped: the same N JobSets that `render_run` makes for
-   the same specs, created the same way (each carries its trainer config). The namespace's trainer
-   ServiceAccount is created first, untimed, so their pods start exactly as the operator's do.
-3. *zero-reaction*, still without the operator: a controller that takes no time at all. The client
+1. *operator*: the operator of the warm-up (as the chart's ServiceAccount, with the chart's RBAC,
+   watching all namespaces as the chart does by default) meets N TPUFineTunes created by a client as
+   fast as it can (16 threads); then the phase waits for every run to be `Succeeded`.
+2. *direct* (the limit), the operator stopped after the warm-up: the same N JobSets that
+   `render_run` makes for the same specs, created the same way (each carries its trainer config).
+   The namespace's trainer ServiceAccount is created first, untimed, so their pods start exactly as
+   the operator's do.
+3. *zero-reaction*, the operator stopped: a controller that takes no time at all. The client
    creates the TPUFineTunes as in the operator phase, and the moment each is stored its JobSet
    (rendered beforehand) is sent from a pool of as many threads as the operator has workers: the
    same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
@@ -19,8 +23,7 @@ cannot weigh on the next: deleting them is slow here, and a cluster comes up in 
 4. *zero-reaction, watched*: the same, while another process holds the watches the operator holds
    (`OperatorWatches`: TPUFineTunes, their JobSets and pods, the TPU nodes), decoding every event
    and dropping it. A controller that reports a run's pods and JobSet must watch them, and the API
-   server pays for every event it sends (~13 per run); this is the least such a controller can do.
-   Phases 3 and 4 swap places every round: neither is always the later one.
+   server pays for every event it sends; this is the least such a controller can do.
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
@@ -88,6 +91,15 @@ CLUSTER = "bench"
 POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
 SIZES = (100, 300, 1000)
 REPEAT = 3  # rounds per N: the figures swing by 2x between runs on the 2-CPU machine
+# The phases of a round, each on a fresh cluster of its own (`main`), in this order in the first
+# round and rotated one place in each next one (`phase_order`).
+PHASES = ("operator", "direct", "zero-reaction", "zero-reaction-watched")
+DESCRIBED = {
+    "operator": "through the operator",
+    "direct": "direct JobSet creation (the limit)",
+    "zero-reaction": "a zero-reaction controller (each TPUFineTune's JobSet sent the moment it is stored)",
+    "zero-reaction-watched": "a zero-reaction controller, the operator's watches held",
+}
 THREADS = 16
 WARMUP_RUNS = 32  # through the operator before its burst (`Bench.warm_up`)
 TRAINER_IMAGE = "example.invalid/tpuft-trainer:bench"
@@ -163,55 +175,73 @@ def api_client(kubeconfig: Path) -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What one watch lists and then follows: a list call of the client, with its arguments
+    (``custom.list_namespaced_custom_object`` and a group, version, namespace and plural; or
+    ``core.list_pod_for_all_namespaces`` and a label selector)."""
+
+    call: Callable[..., Any]
+    args: tuple[str, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def custom(cls, api: client.ApiClient, gvp: tuple[str, str, str], namespace: str) -> Listing:
+        """The custom objects of kind ``gvp`` in ``namespace``."""
+        group, version, plural = gvp
+        call = client.CustomObjectsApi(api).list_namespaced_custom_object
+        return cls(call, (group, version, namespace, plural))
+
+
 class Watcher(threading.Thread):
-    """Watches one kind in one namespace and hands each event, with its arrival time, to a callback."""
+    """Lists, then watches from the listing's resourceVersion (and lists again when that has
+    expired), and hands every object, with the time it arrived, to ``on_event``: each item of a
+    listing as ADDED, then each watch event. Objects are decoded to dicts with json.loads only, as
+    kopf's client does (the client's models would cost more than the watch itself)."""
 
     def __init__(
         self,
-        api: client.ApiClient,
-        gvp: tuple[str, str, str],
-        namespace: str,
+        listing: Listing,
         on_event: Callable[[str, dict[str, Any], float], None],
+        *,
+        timeout_seconds: int = 5,
     ) -> None:
         super().__init__(daemon=True)
-        self.custom = client.CustomObjectsApi(api)
-        self.gvp, self.namespace, self.on_event = gvp, namespace, on_event
+        self.listing, self.on_event, self.timeout_seconds = listing, on_event, timeout_seconds
         self.stopped = threading.Event()
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # set after the first listing
 
     def run(self) -> None:
-        group, version, plural = self.gvp
-        resource_version = ""
+        call, args, kwargs = self.listing.call, self.listing.args, self.listing.kwargs
+        version = ""
         while not self.stopped.is_set():
-            if not resource_version:
-                listed = cast(
-                    dict[str, Any],
-                    self.custom.list_namespaced_custom_object(group, version, self.namespace, plural),
-                )
+            if not version:
+                listed = json.loads(call(*args, _preload_content=False, **kwargs).data)
                 now = time.monotonic()
                 for item in listed["items"]:
                     self.on_event("ADDED", item, now)
-                resource_version = listed["metadata"]["resourceVersion"]
+                version = listed["metadata"]["resourceVersion"]
                 self.ready.set()
             try:
                 for event in watch.Watch().stream(
-                    self.custom.list_namespaced_custom_object,
-                    group,
-                    version,
-                    self.namespace,
-                    plural,
-                    resource_version=resource_version,
-                    timeout_seconds=5,
+                    call,
+                    *args,
+                    resource_version=version,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=self.timeout_seconds,
+                    deserialize=False,
+                    **kwargs,
                 ):
                     obj = event["object"]
-                    resource_version = obj["metadata"]["resourceVersion"]
-                    self.on_event(event["type"], obj, time.monotonic())
+                    version = obj["metadata"].get("resourceVersion") or version
+                    if event["type"] != "BOOKMARK":
+                        self.on_event(event["type"], obj, time.monotonic())
                     if self.stopped.is_set():
                         return
             except ApiException as error:
                 if error.status != 410:
                     raise
-                resource_version = ""  # expired: list again
+                version = ""  # expired: list again
 
 
 def _slim(obj: dict[str, Any]) -> dict[str, Any]:
@@ -228,7 +258,8 @@ def _watch(
 ) -> None:
     """The body of `WatchProcess`: a `Watcher` thread, each event slimmed and put on ``out`` with its
     arrival time (CLOCK_MONOTONIC: the same clock in every process)."""
-    watcher = Watcher(api_client(Path(kubeconfig)), gvp, namespace, partial(_put, out))
+    listing = Listing.custom(api_client(Path(kubeconfig)), gvp, namespace)
+    watcher = Watcher(listing, partial(_put, out))
     watcher.start()
     watcher.ready.wait(60)
     ready.set()
@@ -273,51 +304,33 @@ class OperatorWatches:
 
 
 def _operator_watches(kubeconfig: str, events: Any, stop: Any, ready: Any) -> None:
-    """The body of `OperatorWatches`: a thread per watch; ``events[i]`` counts the i-th's events."""
+    """The body of `OperatorWatches`: a `Watcher` per kind; ``events[i]`` counts the i-th's events
+    (and the items of a listing again after an expired watch)."""
     api = api_client(Path(kubeconfig))
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    watches: list[tuple[Callable[..., Any], tuple[str, ...], dict[str, Any]]] = [
-        (custom.list_cluster_custom_object, FINETUNE.gvp, {}),
-        (custom.list_cluster_custom_object, JOBSET.gvp, {"label_selector": FINETUNE_LABEL}),
-        (core.list_pod_for_all_namespaces, (), {"label_selector": FINETUNE_LABEL}),
-        (core.list_node, (), {"label_selector": ACCELERATOR_LABEL}),
+    selected = {"label_selector": FINETUNE_LABEL}
+    listings = [
+        Listing(custom.list_cluster_custom_object, FINETUNE.gvp),
+        Listing(custom.list_cluster_custom_object, JOBSET.gvp, selected),
+        Listing(core.list_pod_for_all_namespaces, (), selected),
+        Listing(core.list_node, (), {"label_selector": ACCELERATOR_LABEL}),
     ]
-    listed = threading.Barrier(len(watches) + 1)
 
-    def follow(index: int, func: Callable[..., Any], args: tuple[str, ...], kwargs: dict[str, Any]) -> None:
-        version, first = "", True
-        while not stop.is_set():
-            try:
-                if not version:  # list, then watch from the listing
-                    listing = json.loads(func(*args, _preload_content=False, **kwargs).data)
-                    version = listing["metadata"]["resourceVersion"]
-                    if first:
-                        first = False
-                        listed.wait(60)
-                for event in watch.Watch().stream(
-                    func,
-                    *args,
-                    resource_version=version,
-                    allow_watch_bookmarks=True,
-                    timeout_seconds=30,
-                    deserialize=False,  # json.loads only, as kopf's client
-                    **kwargs,
-                ):
-                    version = event["object"]["metadata"].get("resourceVersion") or version
-                    with events.get_lock():
-                        events[index] += 1
-                    if stop.is_set():
-                        return
-            except ApiException as error:
-                if error.status != 410:
-                    raise
-                version = ""  # expired: list again
+    def count(index: int, type_: str, obj: dict[str, Any], at: float) -> None:
+        with events.get_lock():
+            events[index] += 1
 
-    for index, (func, args, kwargs) in enumerate(watches):
-        threading.Thread(target=follow, args=(index, func, args, kwargs), daemon=True).start()
-    listed.wait(60)
+    watchers = [
+        Watcher(listing, partial(count, index), timeout_seconds=30) for index, listing in enumerate(listings)
+    ]
+    for watcher in watchers:
+        watcher.start()
+    for watcher in watchers:
+        watcher.ready.wait(60)
     ready.set()
     stop.wait()
+    for watcher in watchers:
+        watcher.stopped.set()
 
 
 def _put(out: Any, type_: str, obj: dict[str, Any], at: float) -> None:
@@ -505,6 +518,7 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
     by_kind: Counter[str] = Counter()
     codes: Counter[str] = Counter()
     per_run: dict[str, list[tuple[str, str, str | None]]] = {}
+    writes_at: list[tuple[str, str]] = []  # (received, f"{verb} {resource}") of every write
     with path.open() as log:
         log.seek(offset)
         for line in log:
@@ -516,6 +530,8 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
             verb = entry["verb"]
             by_kind[f"{verb} {resource}"] += 1
             codes[str((entry.get("responseStatus") or {}).get("code", "?"))] += 1
+            if verb in WRITE_VERBS:
+                writes_at.append((entry["requestReceivedTimestamp"], f"{verb} {resource}"))
             match = RUN_NAME.match(ref.get("name") or "")
             if verb in WRITE_VERBS and match:
                 phase = ((entry.get("requestObject") or {}).get("status") or {}).get("phase")
@@ -535,6 +551,12 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
                 to_running_without_events.append(sum(1 for r in requests[: i + 1] if "events" not in r[1]))
                 break
 
+    # What else the operator wrote while it was still creating JobSets (same-format UTC stamps
+    # compare as strings): writes that competed with its creates for the API server.
+    last_create = max((at for at, kind in writes_at if kind == f"create {JOBSET.plural}"), default="")
+    during_creates = Counter(kind for at, kind in writes_at if at <= last_create)
+    del during_creates[f"create {JOBSET.plural}"]
+
     def mean(values: list[int]) -> float | None:
         return round(statistics.mean(values), 2) if values else None
 
@@ -551,6 +573,7 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
         "reads_per_run": round((sum(by_kind.values()) - writes) / n, 2),
         "by_verb_and_resource": dict(by_kind.most_common()),
         "by_code": dict(codes.most_common()),
+        "other_writes_until_last_jobset": dict(during_creates.most_common()),
         "writes_to_running_per_run_mean": mean(to_running),
         "writes_to_running_per_run_max": max(to_running) if to_running else None,
         "writes_to_running_without_events_mean": mean(to_running_without_events),
@@ -707,8 +730,7 @@ class Bench:
             )
             for run in self._rendered(ns, n)
         ]
-        # The node pools must be free for the next phase's runs: these finish first (untimed).
-        return self._created_by_client("direct", ns, n, items, finish=True)
+        return self._created_by_client("direct", ns, n, items)
 
     def zero_reaction(self, n: int, *, watched: bool = False) -> dict[str, Any]:
         """A controller that takes no time at all, the operator stopped: the client's threads create
@@ -752,13 +774,12 @@ class Bench:
         if watches is not None:
             watches.start()
         try:
-            # finish: the other zero-reaction phase follows on free node pools, without this one's pods
-            result = self._created_by_client(mode, ns, n, items, finish=True)
+            result = self._created_by_client(mode, ns, n, items)
         finally:
             controller.shutdown(wait=True)
             if watches is not None:
                 events = watches.stop()
-        if watches is not None:  # from the first create until the JobSets completed
+        if watches is not None:  # from the first create until the last JobSet was seen
             result["operator_watch_events_per_run"] = {kind: round(v / n, 2) for kind, v in events.items()}
         for reaction in reactions:
             reaction.result()  # a JobSet that could not be created fails the benchmark, saying which
@@ -766,18 +787,15 @@ class Bench:
         return result
 
     def _created_by_client(
-        self, mode: str, ns: str, n: int, items: Sequence[tuple[str, Callable[[], Any]]], *, finish: bool
+        self, mode: str, ns: str, n: int, items: Sequence[tuple[str, Callable[[], Any]]]
     ) -> dict[str, Any]:
         """Runs ``items`` (the creates of a phase without the operator) and measures them as the
-        operator phase is measured, up to the last JobSet seen; ``finish``: then waits, untimed, until
-        every JobSet has completed (their pods leave the node pools)."""
+        operator phase is measured, up to the last JobSet seen."""
         obs = Observations()
         watcher = WatchProcess(self.cluster.kubeconfig, JOBSET.gvp, ns, obs.jobset_event)
         watcher.start()
         burst = self._burst(ns, n, items, obs, timeout=300)
         codes_after = apiserver_codes(self.cluster)
-        if finish:
-            wait_until(f"{n} JobSets Completed", lambda: len(obs.jobset_completed) >= n, 1500)
         watcher.stop()
         return burst.figures(mode, self.cluster, obs, codes_after)
 
@@ -833,15 +851,31 @@ class Bench:
             for name in names(n)
         ]
 
-    def warm_up(self) -> None:
-        """Untimed, before the operator phase's burst: WARMUP_RUNS runs through the operator, in a
-        namespace of their own, until they have Succeeded and their last writes have landed.
+    def start_operator(self, log_name: str) -> OperatorProcess:
+        """A fresh `tpuft operator` process logging to ``log_name`` in `logs`, returned once kopf's
+        watches have listed."""
+        process = OperatorProcess(
+            self.operator_kubeconfig,
+            self.logs / log_name,
+            TPUFT_TRAINER_IMAGE=TRAINER_IMAGE,
+        )
+        process.start()
+        # /healthz answers before kopf's watches are open (its first list can even get a 429 while
+        # the new CRD's watch cache initializes): wait until its three lists have succeeded.
+        wait_until(
+            "the operator's initial lists", lambda: operator_listed(self.cluster.layout.audit_log), 120
+        )
+        return process
 
-        The direct and zero-reaction phases come after the operator's, on an API server, etcd and
-        JobSet webhooks that have already served N runs; without this the operator's burst alone met a
-        cold cluster (a fresh one's first JobSet POSTs took 0.5-0.75 s inside the API server, the
-        direct phase's 0.1-0.2 s), and an operator that had just started (its connections, caches and
-        first renders). A production operator meets a burst warm."""
+    def warm_up(self) -> None:
+        """Untimed, before every phase: WARMUP_RUNS runs through the operator (`start_operator`), in
+        a namespace of their own, until they have Succeeded and their last writes have landed.
+
+        A fresh cluster's first JobSet POSTs took 0.5-0.75 s inside the API server, a warm one's
+        0.1-0.2 s; and an operator that has just started has yet to open its connections and render
+        its first runs. A production operator meets a burst warm, on a cluster that has served runs:
+        every phase starts from this same state (the phases other than the operator's stop the
+        operator first)."""
         ns = "bench-warmup"
         self.namespace(ns)
         obs = Observations()
@@ -852,22 +886,26 @@ class Bench:
         watcher.stop()
         time.sleep(3)  # their last status writes and Events, before the operator counts as idle
 
-    def operator(self, n: int, *, profile: Path | None = None) -> dict[str, Any]:
+    def phase(self, mode: str, n: int, *, profile: Path | None = None) -> dict[str, Any]:
+        """One phase (`PHASES`) of N runs, after the warm-up, on this bench's cluster."""
+        process = self.start_operator(f"operator-{n}-{mode}.log")  # the operator phase's log, or a warm-up's
+        try:
+            self.warm_up()
+            if mode == "operator":
+                return self.operator(n, process, profile=profile)
+        finally:
+            process.stop()  # the operator's phase: after its runs have Succeeded
+        if mode == "direct":
+            return self.direct(n)
+        return self.zero_reaction(n, watched=mode == "zero-reaction-watched")
+
+    def operator(self, n: int, process: OperatorProcess, *, profile: Path | None = None) -> dict[str, Any]:
+        """N runs through ``process``, the operator that ran the warm-up, until all have Succeeded."""
         ns = f"bench-operator-{n}"
         self.namespace(ns)
         audit_log = self.cluster.layout.audit_log
-        process = OperatorProcess(
-            self.operator_kubeconfig,
-            self.logs / f"operator-{n}.log",
-            TPUFT_TRAINER_IMAGE=TRAINER_IMAGE,
-        )
-        process.start()
         assert process.process is not None
         pid = process.process.pid
-        # /healthz answers before kopf's watches are open (its first list can even get a 429 while
-        # the new CRD's watch cache initializes): wait until its three lists have succeeded.
-        wait_until("the operator's initial lists", lambda: operator_listed(audit_log), 120)
-        self.warm_up()
         idle = proc_usage(pid)
         spy = None
         if profile is not None:
@@ -895,7 +933,6 @@ class Bench:
         time.sleep(3)  # late writes (events) land in the audit log
         usage = proc_usage(pid)
         codes_after = apiserver_codes(self.cluster)
-        process.stop()
         for watcher in watchers:
             watcher.stop()
         to_succeeded = [
@@ -918,6 +955,15 @@ class Bench:
                 "cpu_ms_per_run": round(1000 * (usage["cpu_seconds"] - idle["cpu_seconds"]) / n, 2),
             },
         }
+
+
+def phase_order(round_: int) -> tuple[str, ...]:
+    """The order of round ``round_``'s phases: `PHASES` rotated by one place a round, so that over
+    len(PHASES) rounds every phase runs once at every place (a Latin square). Each phase has a fresh
+    cluster, so no phase inherits another's runs; the rotation spreads the machine's drift within a
+    round over all of them."""
+    k = round_ % len(PHASES)
+    return PHASES[k:] + PHASES[:k]
 
 
 def start_cluster(log: Callable[[str], None]) -> LocalCluster:
@@ -959,35 +1005,33 @@ def main(
     # sizes instead of spoiling one; the report takes the median of the rounds per N.
     plan = [(round_, n) for round_ in range(repeat) for n in sizes]
     results: dict[str, Any] = {}
+    logs = Path(tempfile.gettempdir()) / "tpuft-bench"  # the operator logs, kept after `down`
     for round_, n in plan:
-        print(f">> N={n} (round {round_ + 1} of {repeat}): a fresh cluster with {POOLS} v5e 2x2 node pools")
-        cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
-        logs = Path(tempfile.gettempdir()) / "tpuft-bench"  # the operator logs, kept after `down`
-        try:
-            bench = Bench(cluster, api_client(cluster.kubeconfig), install_operator(cluster), logs, threads)
-            print(f">> N={n}: through the operator")
-            spy = (
-                RESULTS.parent / f"operator-profile-{n}.speedscope.json"
-                if profile and n == max(sizes) and round_ == 0
-                else None
+        order = phase_order(round_)
+        for position, mode in enumerate(order):
+            print(
+                f">> N={n}, round {round_ + 1} of {repeat}, phase {position + 1} of {len(order)}: {DESCRIBED[mode]},"
+                f" on a fresh cluster with {POOLS} v5e 2x2 node pools"
             )
-            operator_phase = bench.operator(n, profile=spy)
-            print(f">> N={n}: direct JobSet creation (the limit)")
-            direct_phase = bench.direct(n)
-            zero_phases = []
-            for watched in (False, True) if round_ % 2 == 0 else (True, False):
-                held = ", the operator's watches held" if watched else ""
-                print(
-                    f">> N={n}: a zero-reaction controller (the client creates each TPUFineTune and its JobSet){held}"
+            cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
+            last = (round_, n) == plan[-1] and position == len(order) - 1
+            try:
+                bench = Bench(
+                    cluster, api_client(cluster.kubeconfig), install_operator(cluster), logs, threads
                 )
-                zero_phases.append(bench.zero_reaction(n, watched=watched))
-            for phase in (direct_phase, operator_phase, *zero_phases):
-                phase["round"] = round_
-            phases += [direct_phase, operator_phase, *zero_phases]
-            print(summary_line(direct_phase, operator_phase))
-        finally:
-            if not (keep_cluster and (round_, n) == plan[-1]):
-                cluster.down()
+                spy = (
+                    RESULTS.parent / f"operator-profile-{n}.speedscope.json"
+                    if profile and mode == "operator" and n == max(sizes) and round_ == 0
+                    else None
+                )
+                result = bench.phase(mode, n, profile=spy)
+            finally:
+                if not (keep_cluster and last):
+                    cluster.down()
+            result["round"], result["position"] = round_, position
+            phases.append(result)
+        by_mode = {p["mode"]: p for p in phases if p["n"] == n and p["round"] == round_}
+        print(summary_line(by_mode["direct"], by_mode["operator"]))
         # Written after every round: an interrupted benchmark keeps the rounds it finished.
         results = {
             "what": "tpuft operator at scale vs direct JobSet creation, local cluster (kwok TPU nodes)",
@@ -997,6 +1041,7 @@ def main(
             "node_pools": {"type": "v5e", "topology": "2x2", "pools": POOLS, "hosts_per_pool": 1},
             "client_threads": threads,
             "rounds": repeat,
+            "cluster_per_phase": True,
             "phases": phases,
         }
         # A profiled run is slower (py-spy shares the cores): its numbers go to their own file.

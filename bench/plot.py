@@ -32,7 +32,7 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
     colors = dict(zip(sizes, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), strict=False))
     by_round = {(p["n"], p.get("round", 0), p["mode"]): p for p in phases}
     # The distributions of one round per N: the round whose p99/limit is the median of that N's.
-    operator, direct, zero = {}, {}, {}
+    operator, direct, zero, watched = {}, {}, {}, {}
     for n in sizes:
         rounds = sorted(
             (round_figures(by_round[(n, r, "operator")], by_round[(n, r, "direct")])["p99_to_limit"] or 0, r)
@@ -43,19 +43,22 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
         operator[n], direct[n] = by_round[(n, chosen, "operator")], by_round[(n, chosen, "direct")]
         if (n, chosen, "zero-reaction") in by_round:
             zero[n] = by_round[(n, chosen, "zero-reaction")]
+        if (n, chosen, "zero-reaction-watched") in by_round:
+            watched[n] = by_round[(n, chosen, "zero-reaction-watched")]
     fig, (created, finished, cost, targets) = plt.subplots(1, 4, figsize=(22, 5))
 
     for n in sizes:
         _cdf(created, operator[n]["create_to_jobset_samples"], color=colors[n], label=f"operator N={n}")
         _cdf(created, direct[n]["create_to_jobset_samples"], color=colors[n], ls="--", label=f"direct N={n}")
-        if n in zero:
-            _cdf(
-                created,
-                zero[n]["create_to_jobset_samples"],
-                color=colors[n],
-                ls=":",
-                label=f"zero-reaction N={n}",
-            )
+        for others, ls, label in ((zero, ":", "zero-reaction"), (watched, "-.", "zero-reaction, watched")):
+            if n in others:
+                _cdf(
+                    created,
+                    others[n]["create_to_jobset_samples"],
+                    color=colors[n],
+                    ls=ls,
+                    label=f"{label} N={n}",
+                )
         _cdf(finished, operator[n]["jobset_completed_to_succeeded_samples"], color=colors[n], label=f"N={n}")
     created.set(
         xscale="log",
@@ -97,6 +100,8 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
         "all_to_direct": ("s-", TARGET_ALL_TO_DIRECT, "time to all JobSets / direct"),
         "p99_to_zero_limit": ("o--", TARGET_P99_TO_LIMIT, "p99 / zero-reaction limit"),
         "all_to_zero": ("s--", TARGET_ALL_TO_DIRECT, "all JobSets / zero-reaction"),
+        "p99_to_watched_limit": ("o-.", TARGET_P99_TO_LIMIT, "p99 / watched zero-reaction limit"),
+        "all_to_watched": ("s-.", TARGET_ALL_TO_DIRECT, "all JobSets / watched zero-reaction"),
     }
     for name, (style, target, label) in ratios.items():
         if any(summary[n][name] is None for n in ns):

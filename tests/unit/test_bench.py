@@ -13,8 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.__main__ import creation_bound, operator_report, round_figures
-from bench.operator import OPERATOR_USER, audit_requests, latency_breakdown, percentiles
+from bench.__main__ import creation_bound, operator_report, phase_orders, round_figures
+from bench.operator import (
+    OPERATOR_USER,
+    PHASES,
+    audit_requests,
+    latency_breakdown,
+    percentiles,
+    phase_order,
+)
 
 
 def stamp(monotonic: float) -> str:
@@ -80,6 +87,26 @@ def test_writes_to_running_count_creates_and_status_patches_but_not_events(tmp_p
     assert api["writes_to_running_without_events_mean"] == 3
     assert api["writes"] == 5 and api["reads"] == 1
     assert api["events_per_run"] == 1 and api["status_patches_per_run"] == 3
+
+
+def test_the_writes_made_while_jobsets_were_still_being_created_are_counted(tmp_path: Path) -> None:
+    log = write_log(
+        tmp_path / "audit.log",
+        [
+            entry("create", "jobsets", "r-0000", requestReceivedTimestamp=stamp(1.0)),
+            entry(
+                "patch", "tpufinetunes/status", "r-0000", phase="Pending", requestReceivedTimestamp=stamp(2.0)
+            ),
+            entry("create", "events", "r-0000.a", requestReceivedTimestamp=stamp(2.5)),
+            entry("create", "jobsets", "r-0001", requestReceivedTimestamp=stamp(3.0)),  # the last one
+            entry(
+                "patch", "tpufinetunes/status", "r-0001", phase="Pending", requestReceivedTimestamp=stamp(4.0)
+            ),
+            entry("create", "jobsets", "r-0002", user="admin", requestReceivedTimestamp=stamp(9.0)),
+        ],
+    )
+    during = audit_requests(log, 0, 2)["other_writes_until_last_jobset"]
+    assert during == {"patch tpufinetunes/status": 1, "create events": 1}
 
 
 def test_the_latency_is_split_at_the_posts(tmp_path: Path) -> None:
@@ -185,6 +212,31 @@ def test_the_report_shows_the_watched_zero_reaction_controller_where_it_ran() ->
     assert report.count("the same, the operator's watches held (12.5 events per run)") == 2  # N=100, 300
     assert report.count("against a zero-reaction controller that holds the operator's watches") == 2
     assert "operator/direct/zero-reaction/watched" in report
+
+
+def test_over_four_rounds_every_phase_runs_once_at_every_place() -> None:
+    orders = [phase_order(round_) for round_ in range(len(PHASES))]
+    assert orders[0] == PHASES  # the first round in the documented order
+    for order in orders:
+        assert sorted(order) == sorted(PHASES)
+    for place in range(len(PHASES)):
+        assert sorted(order[place] for order in orders) == sorted(PHASES)
+    assert phase_order(len(PHASES)) == orders[0]  # and again from the fifth round
+
+
+def test_the_report_says_how_the_phases_of_each_round_ran() -> None:
+    phases = [
+        {"n": n, "round": round_, "position": place, "mode": mode}
+        for round_ in range(2)
+        for n in (100, 300)
+        for place, mode in enumerate(phase_order(round_))
+    ]
+    line = phase_orders({"cluster_per_phase": True, "phases": phases})[0]
+    assert line.endswith(
+        "1: operator, direct, zero-reaction, zero-reaction-watched;"
+        " 2: direct, zero-reaction, zero-reaction-watched, operator"
+    )
+    assert "one cluster per round" in phase_orders({"phases": phases})[0]  # results before the change
 
 
 def test_percentiles() -> None:
