@@ -170,3 +170,33 @@ def test_a_run_promoted_to_urgent_counts_once(monkeypatch: Any) -> None:
     assert queue.get() == A
     queue.done(A)
     assert queue.wait_quiet(0)  # its one urgent mark was taken: the count is back to zero
+
+
+def test_during_a_burst_only_a_few_workers_take_runs_whose_hold_has_ended(monkeypatch: Any) -> None:
+    from tpuft_operator import workqueue
+
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
+    monkeypatch.setattr(workqueue, "HOLD_SECONDS", 0.0)  # every hold has ended at once
+    monkeypatch.setattr(workqueue, "BURST_OTHER_WORKERS", 2)
+    queue = WorkQueue()
+    queue.add(("ns", "creating"), urgent=True)
+    assert queue.get() == ("ns", "creating")  # its JobSet is being created: a burst
+    for name in "abc":
+        queue.add(("ns", name))
+    first, second = queue.get(), queue.get()
+    assert {first, second} == {A, B}
+    got: list[Any] = []
+    taker = threading.Thread(target=lambda: got.append(queue.get()))
+    taker.start()
+    taker.join(0.3)
+    assert got == [] and taker.is_alive()  # C waits: two workers are on such runs already
+    assert first is not None
+    queue.done(first)  # one of them ends: C goes in its place
+    taker.join(5)
+    assert got == [C]
+    # Once no JobSet is being created, every worker may take such runs.
+    assert second is not None
+    queue.done(("ns", "creating"))
+    queue.add(("ns", "d"))
+    queue.add(("ns", "e"))
+    assert {queue.get(), queue.get()} == {("ns", "d"), ("ns", "e")}
