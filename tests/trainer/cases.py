@@ -6,7 +6,6 @@ observations; one process covers every assertion about its configuration.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import traceback
@@ -17,6 +16,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny
+from spmd import finish_case
 
 from tpuft_trainer import compat
 from tpuft_trainer.fsdp_v2 import get_fsdp_training_args, use_fsdp_v2, use_mesh
@@ -397,4 +397,4 @@ if __name__ == "__main__":
     except Exception:
         traceback.print_exc()
         raise
-    Path(out_path).write_text(json.dumps(result, indent=1, default=str))
+    finish_case(out_path, result)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import traceback
@@ -13,6 +12,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny
+from spmd import finish_case
 
 from tpuft_trainer import recipe
 from tpuft_trainer.config import TrainingConfig
@@ -212,4 +212,4 @@ if __name__ == "__main__":
     except Exception:
         traceback.print_exc()
         raise
-    Path(out_path).write_text(json.dumps(outcome, indent=1, default=str))
+    finish_case(out_path, outcome)

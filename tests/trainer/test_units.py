@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import tiny
+from click.testing import CliRunner
 from transformers.training_args import OptimizerNames
 
-from tpuft_trainer import fsdp_v2
+from tpuft_trainer import cli, fsdp_v2
 from tpuft_trainer.cli import exit_code_for
 from tpuft_trainer.config import MeshConfig, ProgressConfig, TrainerConfig, WorldConfig
-from tpuft_trainer.errors import ConfigError, DataError, NotFoundError, WorldError
+from tpuft_trainer.errors import ConfigError, DataError, NotFoundError, StoppedAfterCheckpoint, WorldError
 from tpuft_trainer.exit_codes import ExitCode
 from tpuft_trainer.mesh import plan_mesh
 from tpuft_trainer.progress import Meter, Snapshot, StatusReporter, format_duration
@@ -292,6 +293,43 @@ def test_exit_codes() -> None:
     )
     assert exit_code_for(WorldError("x")) == 1
     assert exit_code_for(RuntimeError("connection reset")) == 1
+
+
+@pytest.mark.parametrize(
+    ("outcome", "code"),
+    [
+        (None, ExitCode.OK),
+        (DataError("the dataset has no text field"), ExitCode.DATA_ERROR),
+        (StoppedAfterCheckpoint("stopped after checkpoint-4"), ExitCode.STOPPED_AFTER_CHECKPOINT),
+        (RuntimeError("connection reset"), 1),
+    ],
+)
+def test_a_started_run_ends_with_its_code_and_without_the_interpreters_teardown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: BaseException | None, code: int
+) -> None:
+    """`tpuft train` leaves through os._exit once the run has started (cli.end: a native abort in
+    torch_xla's teardown must not replace the exit code the operator reads)."""
+    import tpuft_trainer.train
+
+    def run(config: TrainerConfig) -> Any:
+        if outcome is not None:
+            raise outcome
+        return type("Record", (), {"final_step": 3, "seconds": 1.0})()
+
+    ended: list[int] = []
+
+    def exit_now(code: int) -> None:
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(tpuft_trainer.train, "run", run)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model: {name: m}\ndataset: {name: d.jsonl}\ntraining: {max_steps: 3}\noutput: {uri: /tmp/o}\n"
+    )
+    result = CliRunner().invoke(cli.train, ["--config", str(config)])
+    assert ended == [code] and result.exit_code == code, result.output
 
 
 def test_config_round_trip_with_added_fields() -> None:
