@@ -30,8 +30,9 @@ binaries: venv
 lint: venv
 	@$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
 
+# The slowest tests are listed at the end: the suite must stay under ~35 minutes warm on 2 cores.
 test: venv binaries lint
-	@$(PY) -m pytest tests
+	@$(PY) -m pytest tests --durations=25
 
 test-unit: venv
 	@$(PY) -m pytest tests/unit
