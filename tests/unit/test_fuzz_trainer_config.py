@@ -99,6 +99,21 @@ def test_the_valid_config_parses() -> None:
     assert config is not None and config.world.slices == 2
 
 
+def test_a_config_in_json_reads_a_character_beyond_the_bmp_as_itself() -> None:
+    # json.dumps writes U+10000 as the escaped pair "\\ud800\\udc00"; PyYAML alone read two lone
+    # surrogates there, which LibYAML's emitter refused (UnicodeEncodeError, found by the fuzz test).
+    obj = copy.deepcopy(VALID)
+    obj["model"]["name"] = "org/\U00010000-\U0001f999"
+    config = check(TrainerConfig.from_yaml, json.dumps(obj))
+    assert config is not None and config.model.name == "org/\U00010000-\U0001f999"
+
+
+def test_an_escaped_surrogate_without_its_pair_is_a_config_error_that_says_where() -> None:
+    text = json.dumps(VALID).replace('"google/gemma-2-2b"', '"\\ud83d-gemma"')
+    with pytest.raises(ConfigError, match=r"(?s)without its pair is not a character.*line 1, column 62"):
+        TrainerConfig.from_yaml(text)
+
+
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(PATHS), json_values), min_size=1, max_size=3))
 def test_mutated_config_parses_or_raises_validation_error(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from typing import Any
@@ -345,6 +346,17 @@ def test_cli_renders_yaml_and_json(tmp_path: Any) -> None:
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
     result = runner.invoke(render_command, ["-f", str(path), "-o", "json"])
     assert result.exit_code == 0 and '"kind": "List"' in result.output
+
+
+def test_cli_reads_a_tpufinetune_written_as_json_with_characters_beyond_the_bmp(tmp_path: Any) -> None:
+    path = tmp_path / "ft.json"
+    finetune = with_spec()
+    finetune["spec"]["output"] = {"uri": "gs://bucket/runs/\U0001f999"}
+    path.write_text(json.dumps(finetune))  # the llama as JSON spells it: "\\ud83e\\udd99"
+    result = CliRunner().invoke(render_command, ["-f", str(path)])
+    assert result.exit_code == 0, result.output
+    jobset = next(d for d in yaml.safe_load_all(result.output) if d["kind"] == "JobSet")
+    assert TrainerConfig.from_yaml(config_of(jobset)).output.uri.endswith("/\U0001f999")
 
 
 def test_cli_invalid_input_names_field_and_reason(tmp_path: Any) -> None:

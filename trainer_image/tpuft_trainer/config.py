@@ -6,6 +6,7 @@ library only (a test imports it with torch blocked).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Final, Literal
 
@@ -21,7 +22,34 @@ CONFIG_VERSION: Final = "tpuft.dev/trainer-config/v1"
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-class _NoAliasLoader(yaml.SafeLoader):
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class UnicodeSafeLoader(yaml.SafeLoader):
+    """safe_load that reads JSON's escapes of a character beyond the first 65536 as that character.
+
+    JSON (a YAML subset, and what `json.dumps` writes) spells U+1F600 as the pair "\\ud83d\\ude00";
+    PyYAML reads the pair as two lone surrogates, a string no encoder takes: LibYAML's emitter then
+    raised UnicodeEncodeError on the trainer config (found by tests/unit/test_fuzz_trainer_config.py),
+    and the characters were wrong anyway. Here a pair becomes its character, and a surrogate without
+    its pair is a YAML error at its line and column."""
+
+    def construct_scalar(self, node: yaml.ScalarNode | yaml.MappingNode) -> str:
+        value = str(super().construct_scalar(node))
+        if _SURROGATE.search(value) is None:
+            return value
+        try:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                "an escaped surrogate (\\ud800-\\udfff) without its pair is not a character",
+                node.start_mark,
+            ) from None
+
+
+class _NoAliasLoader(UnicodeSafeLoader):
     """safe_load without anchors and aliases: the operator never writes them, and a "billion laughs"
     document of nested aliases is tiny to load but makes any error message that prints it explode."""
 

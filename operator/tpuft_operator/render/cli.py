@@ -13,12 +13,13 @@ import yaml
 from tpuft_operator.api.validation import SpecError
 from tpuft_operator.render import RenderSettings, render_run
 from tpuft_operator.render.output import to_yaml
+from tpuft_trainer.config import UnicodeSafeLoader
 
 
 def load_documents(path: Path) -> list[dict[str, Any]]:
     text = sys.stdin.read() if str(path) == "-" else path.read_text()
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=UnicodeSafeLoader) if d is not None]
     except yaml.YAMLError as error:
         raise click.ClickException(f"{path}: not valid YAML: {error}") from None
     for doc in docs:
