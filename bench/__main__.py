@@ -163,7 +163,23 @@ def phase_orders(results: dict[str, Any]) -> list[str]:
         f"{round_ + 1}: " + ", ".join(dict.fromkeys(mode for _, mode in sorted(placed)))
         for round_, placed in sorted(orders.items())
     )
-    return [f"phases: each on a fresh cluster of its own, warmed up alike; their order by round: {shown}"]
+    lines = [f"phases: each on a fresh cluster of its own, warmed up alike; their order by round: {shown}"]
+    places = mean_places(results)
+    if len(set(places.values())) > 1:
+        listed = ", ".join(f"{mode} {place:.2f}" for mode, place in places.items())
+        lines.append(
+            f"  NOT balanced: the phases' mean place (1 = first) is {listed}; a later place costs ~12%,"
+            " so ratios between them lean; run a multiple of four rounds"
+        )
+    return lines
+
+
+def mean_places(results: dict[str, Any]) -> dict[str, float]:
+    """Each phase's mean place in its rounds (1 = first), over every N and round of `results`."""
+    placed: dict[str, list[int]] = {}
+    for phase in results["phases"]:
+        placed.setdefault(phase["mode"], []).append(phase.get("position", 0) + 1)
+    return {mode: statistics.mean(places) for mode, places in placed.items()}
 
 
 def operator_report(results: dict[str, Any]) -> list[str]:

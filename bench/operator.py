@@ -90,10 +90,13 @@ PACED_RESULTS = RESULTS.with_name("operator-paced.json")
 CLUSTER = "bench"
 POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
 SIZES = (100, 300, 1000)
-REPEAT = 3  # rounds per N: the figures swing by 2x between runs on the 2-CPU machine
 # The phases of a round, each on a fresh cluster of its own (`main`), in this order in the first
 # round and rotated one place in each next one (`phase_order`).
 PHASES = ("operator", "direct", "zero-reaction", "zero-reaction-watched")
+# Rounds per N: the figures swing by 2x between runs on the 2-CPU machine, and a phase pays ~12% per
+# place later in a round; four rounds put every phase once at every place (three put the operator
+# at mean place 2.67 against the zero-reaction controller's 2.0, the 2026-12-03 21:57 run).
+REPEAT = len(PHASES)
 DESCRIBED = {
     "operator": "through the operator",
     "direct": "direct JobSet creation (the limit)",

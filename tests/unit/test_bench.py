@@ -17,6 +17,7 @@ from bench.__main__ import creation_bound, operator_report, phase_orders, round_
 from bench.operator import (
     OPERATOR_USER,
     PHASES,
+    REPEAT,
     audit_requests,
     latency_breakdown,
     percentiles,
@@ -237,6 +238,23 @@ def test_the_report_says_how_the_phases_of_each_round_ran() -> None:
         " 2: direct, zero-reaction, zero-reaction-watched, operator"
     )
     assert "one cluster per round" in phase_orders({"phases": phases})[0]  # results before the change
+
+
+def test_the_report_says_when_the_phases_places_are_not_balanced() -> None:
+    def results(rounds: int) -> dict[str, object]:
+        phases = [
+            {"n": 100, "round": round_, "position": place, "mode": mode}
+            for round_ in range(rounds)
+            for place, mode in enumerate(phase_order(round_))
+        ]
+        return {"cluster_per_phase": True, "phases": phases}
+
+    assert REPEAT % len(PHASES) == 0  # the default is balanced
+    assert len(phase_orders(results(REPEAT))) == 1
+    three = phase_orders(results(3))
+    assert len(three) == 2
+    assert "NOT balanced" in three[1]
+    assert "operator 2.67" in three[1] and "zero-reaction 2.00" in three[1]
 
 
 def test_percentiles() -> None:
