@@ -2,14 +2,16 @@
 
 The local cluster is started once per session, only when a test asks for it, and reused if it is
 already running (`tpuft cluster up --name pytest` beforehand keeps it between runs; set
-TPUFT_KEEP_CLUSTER=1 to leave a cluster this session started running afterwards).
+TPUFT_KEEP_CLUSTER=1 to leave a cluster this session started running afterwards). A cluster that is
+not running but left state behind (a run that was killed before its teardown) is started afresh:
+its etcd would otherwise hand this session the objects and node pools of the last one.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import settings
@@ -24,14 +26,25 @@ settings.load_profile("tpuft")
 TEST_CLUSTER = os.environ.get("TPUFT_TEST_CLUSTER", "pytest")
 
 
-@pytest.fixture(scope="session")
-def local_cluster() -> Iterator[LocalCluster]:
-    cluster = LocalCluster(name=TEST_CLUSTER, log=lambda line: print(f"[cluster] {line}"))
+def session_cluster(name: str, log: Callable[[str], None]) -> Iterator[LocalCluster]:
+    """Starts the cluster ``name`` for a test session (reusing it only if it is running) and, unless
+    it was already running or TPUFT_KEEP_CLUSTER=1, removes it afterwards."""
+    cluster = LocalCluster(name=name, log=log)
     was_running = cluster.layout.state.exists() and all(s.healthy for s in cluster.status())
+    if not was_running and cluster.layout.root.exists():
+        log(
+            f"cluster {name!r} is not running but left state behind (an earlier run was killed?): starting afresh"
+        )
+        cluster.down()
     cluster.up()
     yield cluster
     if not was_running and os.environ.get("TPUFT_KEEP_CLUSTER") != "1":
         cluster.down()
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    yield from session_cluster(TEST_CLUSTER, log=lambda line: print(f"[cluster] {line}"))
 
 
 @pytest.fixture

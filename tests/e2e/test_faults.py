@@ -53,7 +53,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TEST_CLUSTER
+from tests.conftest import TEST_CLUSTER, session_cluster
 from tests.support import finetune, get_json, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
@@ -140,12 +140,7 @@ def run_body(name: str, max_restarts: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     name = "faults" if TEST_CLUSTER == "pytest" else f"{TEST_CLUSTER}-faults"
-    dedicated = LocalCluster(name=name, log=lambda line: print(f"[faults] {line}"))
-    was_running = dedicated.layout.state.exists() and all(s.healthy for s in dedicated.status())
-    dedicated.up()
-    yield dedicated
-    if not was_running and os.environ.get("TPUFT_KEEP_CLUSTER") != "1":
-        dedicated.down()
+    yield from session_cluster(name, log=lambda line: print(f"[faults] {line}"))
 
 
 @pytest.fixture(scope="module")

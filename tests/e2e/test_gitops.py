@@ -62,12 +62,19 @@ def example_pools(local_cluster: LocalCluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def example_namespaces(local_cluster: LocalCluster) -> None:
+def example_namespaces(local_cluster: LocalCluster) -> Iterator[None]:
     """The namespaces the examples name, with the trainer ServiceAccount they run as (the user's,
-    made once per namespace as docs/install-gke.md says)."""
+    made once per namespace as docs/install-gke.md says). Afterwards the objects the files share
+    (v6e-lora's Secret and ServiceAccount) go too: left under this test's field manager in a kept
+    cluster, they would conflict with the next session's apply of the same file."""
     for namespace in sorted({finetune_of(p)["metadata"]["namespace"] for p in EXAMPLES}):
         local_cluster.kubectl("create", "namespace", namespace, check=False)
         local_cluster.kubectl("create", "serviceaccount", "tpuft-trainer", "-n", namespace, check=False)
+    yield
+    for path in EXAMPLES:
+        for doc in documents(path):
+            if doc["kind"] != "TPUFineTune":
+                local_cluster.kubectl("delete", *ref(doc), "--ignore-not-found", check=False)
 
 
 @pytest.fixture

@@ -127,8 +127,13 @@ def test_unschedulable_until_a_matching_pool_appears(
         what="the Unschedulable event",
     )
 
-    local_cluster.add_nodepool("v4", "2x2x4", prefix=unique("v4"))
-    wait_phase(local_cluster, namespace, "wait-pool", "Succeeded", timeout=120)
+    pool = local_cluster.add_nodepool("v4", "2x2x4", prefix=unique("v4"))
+    try:
+        wait_phase(local_cluster, namespace, "wait-pool", "Succeeded", timeout=120)
+    finally:
+        # This test needs the only v4 2x2x4 pool to be its own: a cluster kept for the next session
+        # (TPUFT_KEEP_CLUSTER=1) must not have one already.
+        local_cluster.kubectl("delete", "nodes", *pool, "--wait=false", check=False)
 
 
 def test_user_error_fails_without_retries(
