@@ -112,7 +112,14 @@ class Views:
 
 
 # (involved object, type "Normal"/"Warning", reason, message, when): posts a Kubernetes Event (k8s.Api).
+# The longest a Normal Event waits for a burst of JobSet creation to end. A burst of 1000 runs lasts
+# 15-20 s on the benchmark machine: with a 5 s hold ~240 Events were POSTed while JobSets still
+# waited (`python -m bench operator`, its audit log); an Event half a minute late costs no one.
+EVENT_HOLD_SECONDS = 60.0
+
 PostEvent = Callable[[Mapping[str, Any], str, str, str, datetime], None]
+# (the involved object, type, reason, message, when it happened)
+EventItem = tuple[Mapping[str, Any], str, str, str, datetime]
 
 
 class EventPoster:
@@ -122,7 +129,13 @@ class EventPoster:
     creates the JobSetCreated Event alone doubled the time a worker spent on a new run, while the run
     waiting behind it had no JobSet yet. Events carry the time they happened (not when they were
     posted), so `kubectl describe` orders them right although several threads post them. Bounded:
-    past `limit` waiting Events (an apiserver down for long) new ones are dropped, and logged."""
+    past `limit` waiting Events (an apiserver down for long) new ones are dropped, and logged.
+
+        Normal  --> held --> gate thread: waits while JobSets are being created --+
+        Warning ---------------------------------------------------------------- ready --> posting threads
+
+    One gate holds every Normal Event (in order), so no posting thread sits waiting for a burst to
+    end while a Warning queues behind it."""
 
     def __init__(
         self,
@@ -131,7 +144,7 @@ class EventPoster:
         threads: int = 4,
         limit: int = 10_000,
         wait_quiet: Callable[[float], object] = lambda seconds: True,
-        hold_seconds: float = 5.0,
+        hold_seconds: float = EVENT_HOLD_SECONDS,
     ) -> None:
         """``wait_quiet(seconds)``: returns when JobSets are no longer being created, or after
         ``seconds`` (`WorkQueue.wait_quiet`). A Normal Event waits for it, at most ``hold_seconds``
@@ -140,14 +153,14 @@ class EventPoster:
         self._post = post
         self._wait_quiet, self._hold = wait_quiet, hold_seconds
         self._threads = threads
-        self._queue: queue.Queue[tuple[Mapping[str, Any], str, str, str, datetime] | None] = queue.Queue(
-            limit
-        )
+        self._held: queue.Queue[EventItem | None] = queue.Queue(limit)
+        self._ready: queue.Queue[EventItem | None] = queue.Queue(limit)
         self._started = False
 
     def __call__(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        waiting = self._held if type_ == "Normal" else self._ready  # a Warning never waits
         try:
-            self._queue.put_nowait((involved, type_, reason, message, datetime.now(UTC)))
+            waiting.put_nowait((involved, type_, reason, message, datetime.now(UTC)))
         except queue.Full:
             _log.warning(
                 "dropped the %s Event of %s: too many Events wait to be posted", reason, _name(involved)
@@ -156,19 +169,26 @@ class EventPoster:
     def start(self) -> None:
         if not self._started:
             self._started = True
+            threading.Thread(target=self._gate, name="tpuft-events-gate", daemon=True).start()
             for number in range(self._threads):
                 threading.Thread(target=self._run, name=f"tpuft-events-{number}", daemon=True).start()
 
     def stop(self) -> None:
+        with contextlib.suppress(queue.Full):
+            self._held.put_nowait(None)
         for _ in range(self._threads):
             with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(None)
+                self._ready.put_nowait(None)
+
+    def _gate(self) -> None:
+        while (item := self._held.get()) is not None:
+            hold = self._hold - (datetime.now(UTC) - item[4]).total_seconds()
+            if hold > 0:  # returns at once when no burst is going on
+                self._wait_quiet(hold)
+            self._ready.put(item)  # blocks while the posting threads are behind: `held` then fills
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            hold = self._hold - (datetime.now(UTC) - item[4]).total_seconds()
-            if item[1] == "Normal" and hold > 0:  # a Warning never waits
-                self._wait_quiet(hold)
+        while (item := self._ready.get()) is not None:
             try:
                 self._post(*item)
             except Exception:  # best effort: an Event is never worth a dead poster

@@ -7,6 +7,7 @@ created again under its name starts from nothing. The real watches are in tests/
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -156,7 +157,6 @@ def test_a_store_moves_an_object_whose_label_changed_and_returns_copies() -> Non
 
 
 def test_events_are_posted_off_the_worker_with_the_time_they_happened() -> None:
-    import threading
     from datetime import UTC, datetime
 
     from tpuft_operator.runtime import EventPoster
@@ -280,11 +280,42 @@ def test_a_warning_is_posted_at_once_while_jobsets_are_being_created() -> None:
     )
     poster.start()
     poster(finetune("run", "u-1"), "Warning", "JobSetRecreated", "")
-    deadline = time.monotonic() + 2  # far less than its 5 s hold of Normal Events
+    deadline = time.monotonic() + 2  # far less than the hold of Normal Events
     while not posted and time.monotonic() < deadline:
         time.sleep(0.01)
     poster.stop()
     assert posted == ["JobSetRecreated"]
+
+
+def test_a_warning_passes_normal_events_held_for_a_burst_as_long_as_it_lasts() -> None:
+    from tpuft_operator.runtime import EVENT_HOLD_SECONDS, EventPoster
+
+    burst_over, asked, posted = threading.Event(), [], []
+
+    def wait_quiet(seconds: float) -> bool:
+        asked.append(seconds)
+        return burst_over.wait(seconds)
+
+    # As many posting threads as held Events: each would have sat in the burst's wait before.
+    poster = EventPoster(
+        lambda obj, t, reason, m, at: posted.append(reason), threads=2, wait_quiet=wait_quiet
+    )
+    poster.start()
+    poster(finetune("run", "u-1"), "Normal", "JobSetCreated", "")
+    poster(finetune("run", "u-2"), "Normal", "JobSetCreated", "")
+    poster(finetune("run", "u-3"), "Warning", "JobSetRecreated", "")
+    deadline = time.monotonic() + 2
+    while not posted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert posted == ["JobSetRecreated"]
+    # Held for the whole burst (a burst of 1000 runs lasts 15-20 s), not a few seconds of it.
+    assert asked and asked[0] > EVENT_HOLD_SECONDS - 1 and EVENT_HOLD_SECONDS >= 30
+    burst_over.set()
+    deadline = time.monotonic() + 2
+    while len(posted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    poster.stop()
+    assert posted == ["JobSetRecreated", "JobSetCreated", "JobSetCreated"]
 
 
 def test_a_normal_event_waits_for_the_burst_of_creates_then_is_posted(monkeypatch: Any) -> None:
@@ -305,7 +336,7 @@ def test_a_normal_event_waits_for_the_burst_of_creates_then_is_posted(monkeypatc
     time.sleep(0.3)
     assert posted == []  # held: its POST would compete with the create
     queue.done(("ns", "other"))
-    deadline = time.monotonic() + 2  # far less than its 5 s hold
+    deadline = time.monotonic() + 2  # far less than its hold
     while not posted and time.monotonic() < deadline:
         time.sleep(0.01)
     poster.stop()
