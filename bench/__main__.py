@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 from bench import dpo, goodput, kopf_path, operator, recipes, trainer
@@ -331,7 +332,6 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                 f" all JobSets {_s(m['all_to_watched'])}x its"
                 f" ({verdict((m['all_to_watched'] or 99) <= TARGET_ALL_TO_DIRECT)}); its fastest run {_s(m['watched_fastest'])} s"
             )
-    lines.append(f"  (plot: {operator.RESULTS.with_suffix('.png')})")
     return lines
 
 
@@ -372,14 +372,16 @@ def paced_report(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def report() -> None:
-    """The short table of every benchmark that has results, and the operator's plot."""
-    if operator.RESULTS.exists():
+def report(operator_results: Path = operator.RESULTS) -> None:
+    """The short table of every benchmark that has results, and the operator's plot.
+    ``operator_results``: the operator's results to report (a run's `--output`, not the stored
+    operator.json); the plot is drawn next to them (operator.png for the default file)."""
+    if operator_results.exists():
         from bench import plot  # matplotlib only when there is something to draw
 
-        results = json.loads(operator.RESULTS.read_text())
+        results = json.loads(operator_results.read_text())
         print("\n".join(operator_report(results)))
-        plot.plot(results)
+        print(f"  (plot: {plot.plot(results, operator_results.with_suffix('.png'))})")
     if operator.PACED_RESULTS.exists():
         print()
         print("\n".join(paced_report(json.loads(operator.PACED_RESULTS.read_text()))))
@@ -410,13 +412,14 @@ def main(argv: list[str]) -> None:
         )
     if part in ("all", "kopf-path"):
         kopf_path.main()
+    operator_results = Path(rest[0]) if part == "report" and rest else operator.RESULTS
     if part in ("all", "operator"):
-        operator.cli(rest)
+        operator_results = operator.cli(rest)
     if part in ("all", "trainer"):
         trainer.main()
     if part in ("all", "goodput"):
         goodput.main(**vars(goodput.parser().parse_args(rest if part == "goodput" else [])))
-    report()
+    report(operator_results)
 
 
 if __name__ == "__main__":

@@ -1047,11 +1047,16 @@ def main(
             "cluster_per_phase": True,
             "phases": phases,
         }
-        # A profiled run is slower (py-spy shares the cores): its numbers go to their own file.
-        path = output or (RESULTS.with_name("operator-profiled.json") if profile else RESULTS)
+        path = results_path(output, profile=profile)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
     return results
+
+
+def results_path(output: Path | None, *, profile: bool) -> Path:
+    """Where a run's results go: ``output``, else operator.json, or operator-profiled.json for a
+    profiled run (py-spy shares the cores: its numbers are slower and must not replace the others)."""
+    return output or (RESULTS.with_name("operator-profiled.json") if profile else RESULTS)
 
 
 def machine() -> dict[str, Any]:
@@ -1075,7 +1080,8 @@ def summary_line(direct: dict[str, Any], operator: dict[str, Any]) -> str:
     )
 
 
-def cli(argv: Sequence[str] | None = None) -> None:
+def cli(argv: Sequence[str] | None = None) -> Path:
+    """Runs the benchmark; returns the file its results went to (the report prints that one)."""
     parser = argparse.ArgumentParser(prog="python -m bench operator")
     parser.add_argument("--n", type=int, nargs="+", default=list(SIZES))
     parser.add_argument(
@@ -1111,3 +1117,4 @@ def cli(argv: Sequence[str] | None = None) -> None:
         threads=args.threads,
         output=args.output,
     )
+    return results_path(args.output, profile=args.profile)

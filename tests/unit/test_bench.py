@@ -24,6 +24,8 @@ from bench.operator import (
     phase_order,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def stamp(monotonic: float) -> str:
     """An audit timestamp for a time on this process' time.monotonic() scale."""
@@ -277,3 +279,22 @@ def test_a_wall_clock_step_leaves_no_breakdown_rather_than_a_wrong_one(tmp_path:
     )  # fmt: skip
     split = latency_breakdown(log, 0, "ns", {"r-0000": base}, {"r-0000": base + 0.3})
     assert split == {"runs": 1, "clock_stepped_runs": 1}
+
+
+def test_report_of_a_file_reports_that_file_and_draws_its_plot_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m bench report FILE` (and a run's `--output`) shows that run, not the stored
+    operator.json, and leaves the committed plot alone."""
+    from bench.__main__ import main
+
+    stored = ROOT / "bench/results/operator.json"
+    results = json.loads((ROOT / "bench/results/operator-1000-events-held.json").read_text())
+    assert {p["n"] for p in results["phases"]} == {1000}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(results))
+    main(["report", str(path)])
+    out = capsys.readouterr().out
+    assert "N=1000 (4 rounds)" in out and "N=300" not in out.split("the operator's own latency")[0]
+    assert (tmp_path / "run.png").stat().st_size > 0
+    assert {p["n"] for p in json.loads(stored.read_text())["phases"]} != {1000}  # the other file
