@@ -111,15 +111,15 @@ class Views:
         return Observation(finetune, jobset, pods, nodes, workload)
 
 
-# (involved object, type "Normal"/"Warning", reason, message, when): posts a Kubernetes Event (k8s.Api).
 # The longest a Normal Event waits for a burst of JobSet creation to end. A burst of 1000 runs lasts
 # 15-20 s on the benchmark machine: with a 5 s hold ~240 Events were POSTed while JobSets still
 # waited (`python -m bench operator`, its audit log); an Event half a minute late costs no one.
 EVENT_HOLD_SECONDS = 60.0
 
-PostEvent = Callable[[Mapping[str, Any], str, str, str, datetime], None]
-# (the involved object, type, reason, message, when it happened)
+# An Event as it waits: (involved object, type "Normal"/"Warning", reason, message, when it happened);
+# `PostEvent` takes the same and posts it as a Kubernetes Event (k8s.Api).
 EventItem = tuple[Mapping[str, Any], str, str, str, datetime]
+PostEvent = Callable[[Mapping[str, Any], str, str, str, datetime], None]
 
 
 class EventPoster:
@@ -129,7 +129,8 @@ class EventPoster:
     creates the JobSetCreated Event alone doubled the time a worker spent on a new run, while the run
     waiting behind it had no JobSet yet. Events carry the time they happened (not when they were
     posted), so `kubectl describe` orders them right although several threads post them. Bounded:
-    past `limit` waiting Events (an apiserver down for long) new ones are dropped, and logged.
+    past `limit` Events waiting in either queue below (an apiserver down for long) new ones are
+    dropped, and logged.
 
         Normal  --> held --> gate thread: waits while JobSets are being created --+
         Warning ---------------------------------------------------------------- ready --> posting threads
