@@ -13,13 +13,10 @@ from typing import Final, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tpuft_trainer import block_yaml
 from tpuft_trainer.errors import ConfigError
 
 CONFIG_VERSION: Final = "tpuft.dev/trainer-config/v1"
-# The operator renders one config per run: PyYAML's pure-Python emitter took ~1.5 ms of the ~2 ms a
-# render costs (most of the operator's CPU per run during a burst of creates), LibYAML's ~0.4 ms for the
-# same text. PyYAML's wheels bundle LibYAML; a build without it falls back to the same output, slower.
-_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -252,7 +249,8 @@ class TrainerConfig(_Strict):
         return self
 
     def to_yaml(self) -> str:
-        return yaml.dump(self.model_dump(mode="json", exclude_none=True), Dumper=_Dumper, sort_keys=False)
+        # PyYAML's text, written faster (the operator renders one per run): see block_yaml.
+        return block_yaml.dump(self.model_dump(mode="json", exclude_none=True))
 
     @classmethod
     def from_yaml(cls, text: str) -> TrainerConfig:
