@@ -20,6 +20,7 @@ from typing import Any
 
 import urllib3
 from kubernetes import client, config
+from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 
 from tpuft_operator.api.resources import (
@@ -87,6 +88,7 @@ def _wrap(error: ApiException, what: str) -> ApiError:
 # Every kind the operator creates, and nothing else.
 KINDS = {r.kind: r for r in (JOBSET, SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY)}
 MERGE_PATCH = "application/merge-patch+json"
+_TIMEOUT = urllib3.Timeout(total=60)
 
 
 def load_client(kubeconfig: str | None = None, *, connections: int = 10) -> client.ApiClient:
@@ -158,16 +160,22 @@ class Api:
     def _call(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> dict[str, Any]:
-        method, url, headers, payload, _ = self.client.param_serialize(
+        # The client's own path walks every body through sanitize_for_serialization, a recursive copy
+        # that cost more than the whole JSON encoding of a JobSet (0.28 s of the operator's 3.4 s of CPU
+        # in the N=1000 profile). The operator's bodies are JSON already: encode them once here and
+        # send them on the client's connection pool, with the headers and credentials it computes.
+        method, url, headers, _, _ = self.client.param_serialize(
             method=method,
             resource_path=path,
             header_params={"Content-Type": content_type, "Accept": "application/json"},
-            body=body,
             auth_settings=["BearerToken"],
         )
+        payload = None if body is None else json.dumps(body, separators=(",", ":"))
         try:
-            response = self.client.call_api(
-                method, url, header_params=headers, body=payload, _request_timeout=60
+            response = rest.RESTResponse(
+                self.client.rest_client.pool_manager.request(
+                    method, url, body=payload, headers=headers, timeout=_TIMEOUT, preload_content=False
+                )
             )
         except urllib3.exceptions.HTTPError as error:
             # No HTTP answer (connection refused, reset or timed out: an API server restarting). Found
