@@ -157,8 +157,12 @@ class WorkQueue:
                 self._cond.notify()  # a held run may go in its place
             if key in self._creating:
                 self._creating.discard(key)
-                self._cond.notify_all()  # the held runs look again
-                self._quiet.notify_all()
+                if not self._creating and self._urgent_waiting == 0:
+                    # The burst may be over (or is, once its quiet period passes: `_wake_within`):
+                    # the held runs and `wait_quiet` look again. Not at the end of every create: in a
+                    # burst of 1000 that woke every worker a thousand times for nothing.
+                    self._cond.notify_all()
+                    self._quiet.notify_all()
             if key in self._waiting and not self._closed:
                 (self._urgent if self._waiting[key] else self._normal).append(key)
                 self._cond.notify()

@@ -200,3 +200,24 @@ def test_during_a_burst_only_a_few_workers_take_runs_whose_hold_has_ended(monkey
     queue.add(("ns", "d"))
     queue.add(("ns", "e"))
     assert {queue.get(), queue.get()} == {("ns", "d"), ("ns", "e")}
+
+
+def test_a_held_run_goes_when_the_last_create_of_a_burst_ends_not_at_each_one(monkeypatch: Any) -> None:
+    from tpuft_operator import workqueue
+
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
+    queue = WorkQueue()
+    queue.add(A)  # a status to write: held while JobSets are created (HOLD_SECONDS: 5 s)
+    queue.add(B, urgent=True)
+    queue.add(C, urgent=True)
+    assert queue.get() == B and queue.get() == C  # two creates at once
+    got: list[Any] = []
+    taker = threading.Thread(target=lambda: got.append(queue.get()))
+    taker.start()
+    taker.join(0.3)
+    queue.done(B)  # one create ends: the burst goes on, A still waits
+    taker.join(0.3)
+    assert got == [] and taker.is_alive()
+    queue.done(C)  # the last one ends: A goes now, not when its hold runs out
+    taker.join(2)
+    assert got == [A]
