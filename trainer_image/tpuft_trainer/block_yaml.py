@@ -25,14 +25,16 @@ _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 # A string that a block-context plain scalar writes as itself: ASCII without spaces, not starting with
 # an indicator (- ? : , [ ] { } # & * ! | > ' " % @ `) or a dot (`...`, `.inf`), no ':' at its end
-# (': ' and a final ':' mark a key), and at most 100 characters (a simple key may have 128).
-_PLAIN: Final = re.compile(r"[A-Za-z0-9/][A-Za-z0-9_./@+=~:-]{0,99}(?<!:)\Z", re.ASCII)
+# (': ' and a final ':' mark a key), and at most _PLAIN_MAX characters (a simple key may have 128;
+# checked before the cache, so long strings never fill it).
+_PLAIN: Final = re.compile(r"[A-Za-z0-9/][A-Za-z0-9_./@+=~:-]*(?<!:)\Z", re.ASCII)
+_PLAIN_MAX: Final = 100
 _STR_TAG: Final = "tag:yaml.org,2002:str"
 _resolve: Final[Callable[..., str]] = yaml.resolver.Resolver().resolve
 
 
 def _is_plain(text: str) -> bool:
-    return len(text) <= 100 and _is_plain_short(text)
+    return len(text) <= _PLAIN_MAX and _is_plain_short(text)
 
 
 @functools.lru_cache(maxsize=4096)  # keys and most values repeat from run to run
@@ -85,5 +87,9 @@ def dump(data: Mapping[str, Any]) -> str:
     try:
         _mapping(data, "", lines)
     except _NeedsPyYAML:
-        lines = []
-    return "".join(lines) if lines else yaml.dump(dict(data), Dumper=_Dumper, sort_keys=False)
+        return _pyyaml(data)
+    return "".join(lines) if lines else _pyyaml(data)  # an empty mapping is `{}`
+
+
+def _pyyaml(data: Mapping[str, Any]) -> str:
+    return yaml.dump(dict(data), Dumper=_Dumper, sort_keys=False)
