@@ -111,8 +111,14 @@ def test_writes_pyyamls_text_for_any_document(data: dict[str, Any]) -> None:
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(["name", "uri", "k"]), strings, min_size=1))
 def test_plain_strings_match_the_pure_python_dumper_too(data: dict[str, Any]) -> None:
-    # A PyYAML built without LibYAML falls back to SafeDumper: the text must not depend on that either.
-    assert block_yaml.dump(data) == pyyaml(data, yaml.SafeDumper)
+    # A PyYAML built without LibYAML falls back to SafeDumper. The two fold a long double-quoted
+    # string at different places (found by CI: a 100-character string with an "é"), a string this
+    # module hands to PyYAML anyway; wherever they agree, the text written here is theirs.
+    pure = pyyaml(data, yaml.SafeDumper)
+    if pure == pyyaml(data, yaml.CSafeDumper):
+        assert block_yaml.dump(data) == pure
+    else:
+        assert block_yaml.dump(data) == pyyaml(data, yaml.CSafeDumper)
 
 
 @pytest.mark.parametrize("example", EXAMPLE_FILES, ids=lambda p: p.stem)
