@@ -63,6 +63,22 @@ def zero_reaction_limit(operator_phase: dict[str, Any], zero_phase: dict[str, An
     return creation_limit(operator_phase, zero_phase)
 
 
+# The fourth phase: the watch-reaction controller, or in results before 2026-12-04 the zero-reaction
+# controller with the operator's watches held (bench/operator.py, phase 4).
+WATCHED_MODES = ("watch-reaction", "zero-reaction-watched")
+WATCHED_LABELS = {
+    "watch-reaction": "a watch-reaction controller (learns of each run from its watch, as the operator must)",
+    "zero-reaction-watched": "a zero-reaction controller that holds the operator's watches",
+}
+
+
+def watched_phase(
+    phases: dict[tuple[int, int, str], dict[str, Any]], n: int, round_: int
+) -> dict[str, Any] | None:
+    """Round ``round_``'s fourth phase at N=``n`` (`WATCHED_MODES`), if it ran."""
+    return next((phases[key] for mode in WATCHED_MODES if (key := (n, round_, mode)) in phases), None)
+
+
 def _ratio(value: float | None, to: float | None) -> float | None:
     return value / to if value and to else None
 
@@ -92,8 +108,7 @@ def round_figures(
     watched: dict[str, Any] | None = None,
 ) -> dict[str, float | None]:
     """One round's figures against issue 18's targets (against the direct phase), and against the
-    zero-reaction controller of the same round where it ran, without and with the operator's watches
-    held (``watched``)."""
+    zero-reaction controller and the ``watched`` one (`WATCHED_MODES`) of the same round where they ran."""
     p99, limit = o["create_to_jobset"]["p99"], creation_limit(o, d)
     zero_limit = zero_reaction_limit(o, zero) if zero else None
     watched_limit = zero_reaction_limit(o, watched) if watched else None
@@ -112,8 +127,8 @@ def round_figures(
         if zero
         else None,
         "zero_all_to_direct": zero["seconds_to_all_jobsets"] / d["seconds_to_all_jobsets"] if zero else None,
-        # The zero-reaction controller that holds the operator's watches: the least any controller
-        # that watches what the operator must watch can do.
+        # The watch-reaction controller (or, before, the zero-reaction one holding the operator's
+        # watches): the least any controller that watches what the operator must watch can do.
         "watched_limit": watched_limit,
         "p99_to_watched_limit": p99 / watched_limit if p99 and watched_limit else None,
         "all_to_watched": o["seconds_to_all_jobsets"] / watched["seconds_to_all_jobsets"]
@@ -139,7 +154,7 @@ def medians(results: dict[str, Any]) -> dict[int, dict[str, Any]]:
     for (n, round_, mode), phase in sorted(by_round.items()):
         if mode == "operator" and (n, round_, "direct") in by_round:
             zero = by_round.get((n, round_, "zero-reaction"))
-            watched = by_round.get((n, round_, "zero-reaction-watched"))
+            watched = watched_phase(by_round, n, round_)
             pairs.setdefault(n, []).append((phase, by_round[(n, round_, "direct")], zero, watched))
     out: dict[int, dict[str, Any]] = {}
     for n, rounds in sorted(pairs.items()):
@@ -148,6 +163,8 @@ def medians(results: dict[str, Any]) -> dict[int, dict[str, Any]]:
         for name in figures[0]:
             values = [v for f in figures if (v := f[name]) is not None]
             out[n][name] = statistics.median(values) if values else None
+        modes = dict.fromkeys(watched["mode"] for *_, watched in rounds if watched is not None)
+        out[n]["watched_label"] = " / ".join(WATCHED_LABELS[mode] for mode in modes) or None
     return out
 
 
@@ -200,7 +217,7 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         o, d = phases[(n, round_, mode)], phases[(n, round_, "direct")]
         c, api, proc = o["create_to_jobset"], o["operator_api"], o["operator_process"]
         zero = phases.get((n, round_, "zero-reaction"))
-        watched = phases.get((n, round_, "zero-reaction-watched"))
+        watched = watched_phase(phases, n, round_)
         figures = round_figures(o, d, zero, watched)
         storm = o["apiserver_error_codes"]
         done = o["jobset_completed_to_succeeded"]
@@ -227,8 +244,9 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         if watched is not None:
             w = watched["create_to_jobset"]
             per_run = watched.get("operator_watch_events_per_run") or {}
+            held = f"{sum(per_run.values()):.1f} watch events per run"
             lines.append(
-                f"{'':>11} the same, the operator's watches held ({sum(per_run.values()):.1f} events per run):"
+                f"{'':>11} {WATCHED_LABELS[watched['mode']]} ({held}):"
                 f" create->JobSet {_s(w['min'])}/{_s(w['p50'])}/{_s(w['p99'])} s,"
                 f" all JobSets {_s(watched['seconds_to_all_jobsets'])} s (operator {_s(figures['all_to_watched'])}x);"
                 f" its limit {_s(figures['watched_limit'])} s (operator p99 {_s(figures['p99_to_watched_limit'])}x)"
@@ -240,7 +258,8 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         " 409/429/5xx: every client of the apiserver during the phase)"
     )
     lines.append(
-        "where create->JobSet goes, p50/p99 s (operator | direct | zero-reaction | the same, watched, where it ran):"
+        "where create->JobSet goes, p50/p99 s (operator | direct | zero-reaction | watch-reaction, or before"
+        " 2026-12-04 zero-reaction watched, where they ran):"
         " send -> JobSet POST at the apiserver;"
         " the POST in the apiserver; POST done -> client's watch sees it"
     )
@@ -249,9 +268,9 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             continue
         parts = []
         measured = [phases[(n, round_, mode)], phases[(n, round_, "direct")]]
-        for key in ("zero-reaction", "zero-reaction-watched"):
-            if (n, round_, key) in phases:
-                measured.append(phases[(n, round_, key)])
+        for other in (phases.get((n, round_, "zero-reaction")), watched_phase(phases, n, round_)):
+            if other is not None:
+                measured.append(other)
         for phase in measured:
             split = _split(phase)
             if not split:
@@ -270,12 +289,21 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             if "finetune_done_to_jobset_post" in split
             else ""
         )
+        watcher = watched_phase(phases, n, round_)
+        watcher_split = _split(watcher) if watcher is not None and watcher["mode"] == "watch-reaction" else {}
+        if "finetune_done_to_jobset_post" in watcher_split:
+            reaction += (
+                f", the watch-reaction controller's {_p50_p99(watcher_split['finetune_done_to_jobset_post'])}"
+            )
         lines.append(f"{n:>5} {round_ + 1:>5}  {' | '.join(parts)}{reaction}")
         columns = [("operator", phases[(n, round_, mode)]), ("direct", phases[(n, round_, "direct")])]
         columns += [
-            (label, phases[(n, round_, key)])
-            for label, key in (("zero-reaction", "zero-reaction"), ("watched", "zero-reaction-watched"))
-            if (n, round_, key) in phases
+            (label, other)
+            for label, other in (
+                ("zero-reaction", phases.get((n, round_, "zero-reaction"))),
+                ("watched", watcher),
+            )
+            if other is not None
         ]
         cpus: list[tuple[dict[str, float], str]] = [
             (cpu, label)
@@ -326,7 +354,7 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             )
         if m["watched_limit"] is not None:
             lines.append(
-                f"  {'':>{len(str(n)) + 2}} against a zero-reaction controller that holds the operator's watches:"
+                f"  {'':>{len(str(n)) + 2}} against {m['watched_label']}:"
                 f" p99 {_s(m['p99_to_watched_limit'])}x its limit of {_s(m['watched_limit'])} s"
                 f" ({verdict((m['p99_to_watched_limit'] or 99) <= TARGET_P99_TO_LIMIT)});"
                 f" all JobSets {_s(m['all_to_watched'])}x its"

@@ -16,14 +16,20 @@ a round favours none of them.
    the operator's do.
 3. *zero-reaction*, the operator stopped: a controller that takes no time at all. The client
    creates the TPUFineTunes as in the operator phase, and the moment each is stored its JobSet
-   (rendered beforehand) is sent from a pool of as many threads as the operator has workers: the
+   (rendered and encoded beforehand: `send_jobset`) is sent from a pool of as many threads as the
+   operator has workers: the
    same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
    same API server; the direct phase pays for the JobSets only, so on a CPU-bound API server it is
    a limit no controller can reach.
-4. *zero-reaction, watched*: the same, while another process holds the watches the operator holds
-   (`OperatorWatches`: TPUFineTunes, their JobSets and pods, the TPU nodes), decoding every event
-   and dropping it. A controller that reports a run's pods and JobSet must watch them, and the API
-   server pays for every event it sends; this is the least such a controller can do.
+4. *watch-reaction*, the operator stopped: the least any Kubernetes controller can do. Another
+   process holds the watches the operator holds (`OperatorWatches`: TPUFineTunes, their JobSets and
+   pods, the TPU nodes), decoding every event, and the moment its TPUFineTune watch shows a run it
+   sends the run's JobSet from as many threads as the operator has workers. It learns of a run as
+   the operator must, from a watch event (the zero-reaction controller learns of it from the client's
+   own POST), and pays for every event the operator's watches bring; the gap between it and the
+   operator is what the operator itself costs. (Until 2026-12-04 this phase was *zero-reaction,
+   watched*: the zero-reaction controller while the watches were held, `zero-reaction-watched` in
+   older results.)
 
 Latencies are taken at the client with one clock: from the moment a thread sends the create request
 (of the JobSet, or of the TPUFineTune) to the moment the client's watch sees the JobSet; and from the
@@ -49,6 +55,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import statistics
@@ -92,7 +99,7 @@ POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
 SIZES = (100, 300, 1000)
 # The phases of a round, each on a fresh cluster of its own (`main`), in this order in the first
 # round and rotated one place in each next one (`phase_order`).
-PHASES = ("operator", "direct", "zero-reaction", "zero-reaction-watched")
+PHASES = ("operator", "direct", "zero-reaction", "watch-reaction")
 # Rounds per N: the figures swing by 2x between runs on the 2-CPU machine, and a phase pays ~12% per
 # place later in a round; four rounds put every phase once at every place (three put the operator
 # at mean place 2.67 against the zero-reaction controller's 2.0, the 2026-12-03 21:57 run).
@@ -101,7 +108,7 @@ DESCRIBED = {
     "operator": "through the operator",
     "direct": "direct JobSet creation (the limit)",
     "zero-reaction": "a zero-reaction controller (each TPUFineTune's JobSet sent the moment it is stored)",
-    "zero-reaction-watched": "a zero-reaction controller, the operator's watches held",
+    "watch-reaction": "a watch-reaction controller (each JobSet sent the moment the TPUFineTune watch shows its run)",
 }
 THREADS = 16
 WARMUP_RUNS = 32  # through the operator before its burst (`Bench.warm_up`)
@@ -152,6 +159,12 @@ def names(n: int) -> list[str]:
     return [f"r-{i:04d}" for i in range(n)]
 
 
+def operator_workers() -> int:
+    """How many worker threads the operator runs (TPUFT_WORKERS, else its default): the controllers
+    of phases 3 and 4 send their JobSets from as many."""
+    return int(os.environ.get("TPUFT_WORKERS") or OperatorSettings().workers)
+
+
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"min": None, "p50": None, "p95": None, "p99": None, "max": None, "count": 0}
@@ -171,10 +184,12 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
 
 
 # --------------------------------------------------------------------------- clients and watches
-def api_client(kubeconfig: Path) -> client.ApiClient:
+def api_client(kubeconfig: Path, *, connections: int | None = None) -> client.ApiClient:
+    """A client whose pool keeps ``connections`` open (default: the client's threads, a controller's
+    as many as the operator's workers, and watches): a call beyond it would pay a new TLS handshake."""
     configuration = client.Configuration()
     config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-    configuration.connection_pool_maxsize = THREADS * 2
+    configuration.connection_pool_maxsize = connections or THREADS + operator_workers() + 8
     return client.ApiClient(configuration)
 
 
@@ -270,22 +285,41 @@ def _watch(
     watcher.stopped.set()
 
 
+@dataclass(frozen=True)
+class Reaction:
+    """What the watch-reaction controller (`OperatorWatches`, phase 4) does: the moment its watch of
+    TPUFineTunes shows one of ``jobsets`` (by name) ADDED in ``namespace``, it sends that run's JobSet
+    (rendered beforehand, JSON with PLACEHOLDER_UID where the stored TPUFineTune's uid goes) from a
+    pool of ``workers`` threads."""
+
+    namespace: str
+    jobsets: dict[str, str]
+    workers: int
+
+
 class OperatorWatches:
     """The watches the operator holds (watches.py, with main.configure_kopf's server-side label
     selectors), in a process of their own, without the operator: each lists, then watches from the
-    listing's resourceVersion, and decodes every event to a dict (as kopf's client does) and drops it.
+    listing's resourceVersion, and decodes every event to a dict (as kopf's client does).
     Kueue's Workloads are left out: the benchmark installs no Kueue, and the operator's watch of them
-    is then a 404 every 10 s."""
+    is then a 404 every 10 s.
+
+    With a ``reaction`` this is the *watch-reaction* controller: it learns of each run from its
+    TPUFineTune watch, as every Kubernetes controller must, and sends the run's JobSet at once,
+    nothing else. The zero-reaction phase learns of a run from the client's own POST (no watch in
+    between), so no controller can match it; this one is what any controller holding the operator's
+    watches could do at best, and the difference between it and the operator is the operator's own."""
 
     KINDS = ("tpufinetunes", "jobsets", "pods", "nodes")
 
-    def __init__(self, kubeconfig: Path) -> None:
+    def __init__(self, kubeconfig: Path, reaction: Reaction | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._stop, self._ready = context.Event(), context.Event()
         self._events = context.Array("q", len(self.KINDS))
+        self._outcome = context.Queue()  # the controller's errors, put once it has stopped
         self._process = context.Process(
             target=_operator_watches,
-            args=(str(kubeconfig), self._events, self._stop, self._ready),
+            args=(str(kubeconfig), self._events, self._stop, self._ready, reaction, self._outcome),
             daemon=True,
         )
         self._before: list[int] = []
@@ -297,18 +331,27 @@ class OperatorWatches:
             raise RuntimeError("the operator's watches did not start")
         self._before = self._events[:]
 
-    def stop(self) -> dict[str, int]:
-        """Stops the watches; returns the events each received since `start` returned."""
+    def stop(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """Stops the watches (after the reaction's creates in flight); returns the events each
+        received since `start` returned, and the reaction's outcome: ``errors``, its failed creates
+        by HTTP status, and ``failed``, the runs whose JobSet it could not create."""
         now = self._events[:]
         counts = {kind: now[i] - self._before[i] for i, kind in enumerate(self.KINDS)}
         self._stop.set()
+        try:
+            outcome = cast(dict[str, Any], self._outcome.get(timeout=120))
+        except queue.Empty:
+            outcome = {"errors": {}, "failed": ["(the watch-reaction process did not report)"]}
         self._process.join(15)
-        return counts
+        return counts, outcome
 
 
-def _operator_watches(kubeconfig: str, events: Any, stop: Any, ready: Any) -> None:
+def _operator_watches(
+    kubeconfig: str, events: Any, stop: Any, ready: Any, reaction: Reaction | None, outcome: Any
+) -> None:
     """The body of `OperatorWatches`: a `Watcher` per kind; ``events[i]`` counts the i-th's events
-    (and the items of a listing again after an expired watch)."""
+    (and the items of a listing again after an expired watch); with a ``reaction``, the TPUFineTune
+    watch's thread hands each run's JobSet create to the reaction's pool."""
     api = api_client(Path(kubeconfig))
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     selected = {"label_selector": FINETUNE_LABEL}
@@ -318,8 +361,23 @@ def _operator_watches(kubeconfig: str, events: Any, stop: Any, ready: Any) -> No
         Listing(core.list_pod_for_all_namespaces, (), selected),
         Listing(core.list_node, (), {"label_selector": ACCELERATOR_LABEL}),
     ]
+    pool = ThreadPoolExecutor(reaction.workers, "watch-reaction") if reaction else None
+    sent: dict[str, Future[None]] = {}
+    errors: Counter[int] = Counter()
+
+    def react(obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        name = meta["name"]
+        if reaction is None or pool is None or meta.get("namespace") != reaction.namespace:
+            return
+        if name in reaction.jobsets and name not in sent:
+            own = reaction.jobsets[name].replace(PLACEHOLDER_UID, meta["uid"])
+            create = partial(send_jobset, api, reaction.namespace, own)
+            sent[name] = pool.submit(retried, name, create, errors)
 
     def count(index: int, type_: str, obj: dict[str, Any], at: float) -> None:
+        if index == 0 and type_ == "ADDED":
+            react(obj)
         with events.get_lock():
             events[index] += 1
 
@@ -334,6 +392,11 @@ def _operator_watches(kubeconfig: str, events: Any, stop: Any, ready: Any) -> No
     stop.wait()
     for watcher in watchers:
         watcher.stopped.set()
+    failed = []
+    if pool is not None:
+        pool.shutdown(wait=True)
+        failed = [name for name, future in sent.items() if future.exception() is not None]
+    outcome.put({"errors": {str(k): v for k, v in errors.items()}, "failed": failed})
 
 
 def _put(out: Any, type_: str, obj: dict[str, Any], at: float) -> None:
@@ -430,6 +493,23 @@ def retried(name: str, create: Callable[[], Any], errors: Counter[int]) -> None:
                 return
             time.sleep(0.2)
     raise RuntimeError(f"could not create {name}")
+
+
+def send_jobset(api: client.ApiClient, namespace: str, body: str) -> None:
+    """POSTs a JobSet already encoded as JSON, as it is: the controllers of phases 3 and 4 take no
+    time, so they do not walk it through the client's `sanitize_for_serialization` and encode it
+    again (the operator does neither either: `k8s.Api._call`). Raises ApiException as the client's
+    calls do, for `retried`."""
+    group, version, plural = JOBSET.gvp
+    method, url, headers, _, _ = api.param_serialize(
+        method="POST",
+        resource_path=f"/apis/{group}/{version}/namespaces/{namespace}/{plural}",
+        header_params={"Content-Type": "application/json", "Accept": "application/json"},
+        auth_settings=["BearerToken"],
+    )
+    response = api.rest_client.pool_manager.request(method, url, body=body, headers=headers, timeout=60)
+    if not 200 <= response.status < 300:
+        raise ApiException(status=response.status, reason=response.reason)
 
 
 def create_all(
@@ -735,7 +815,7 @@ class Bench:
         ]
         return self._created_by_client("direct", ns, n, items)
 
-    def zero_reaction(self, n: int, *, watched: bool = False) -> dict[str, Any]:
+    def zero_reaction(self, n: int) -> dict[str, Any]:
         """A controller that takes no time at all, the operator stopped: the client's threads create
         the TPUFineTunes exactly as in the operator phase, and the moment the API server has stored
         one, its JobSet (rendered beforehand, the stored object's uid filled in) is sent from a pool
@@ -744,19 +824,15 @@ class Bench:
         server, in the same order) and more; the operator's latency is judged against it as well as
         against the direct phase (`bench.__main__.zero_reaction_limit`).
 
-        ``watched``: while `OperatorWatches` holds the operator's watches (phase 4).
-
         (Until 2026-12-03 each client thread created a TPUFineTune and then its JobSet before its next
         TPUFineTune: the arrivals slowed to the pace of the creates, so no run waited inside the API
         server, and its p99 left out the queueing that the operator phase's includes.)"""
-        mode = "zero-reaction-watched" if watched else "zero-reaction"
-        ns = f"bench-{mode.replace('-reaction', '')}-{n}"
+        ns = f"bench-zero-{n}"
         custom = client.CustomObjectsApi(self.api)
         runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
-        (fg, fv, fp), (jg, jv, jp) = FINETUNE.gvp, JOBSET.gvp
-        finetunes, jobsets = (fg, fv, ns, fp), (jg, jv, ns, jp)
-        workers = int(os.environ.get("TPUFT_WORKERS") or OperatorSettings().workers)
-        controller = ThreadPoolExecutor(workers, thread_name_prefix="zero-reaction")
+        fg, fv, fp = FINETUNE.gvp
+        finetunes = (fg, fv, ns, fp)
+        controller = ThreadPoolExecutor(operator_workers(), thread_name_prefix="zero-reaction")
         reactions: list[Future[None]] = []
         errors: Counter[int] = Counter()
 
@@ -764,29 +840,45 @@ class Bench:
             created = cast(
                 dict[str, Any], custom.create_namespaced_custom_object(*finetunes, finetune(name, ns))
             )
-            own = json.loads(jobset.replace(PLACEHOLDER_UID, created["metadata"]["uid"]))
-            create = partial(custom.create_namespaced_custom_object, *jobsets, own)
+            own = jobset.replace(PLACEHOLDER_UID, created["metadata"]["uid"])
+            create = partial(send_jobset, self.api, ns, own)
             reactions.append(controller.submit(retried, name, create, errors))
 
         items = [
             (name, partial(then_jobset, name, json.dumps(run.jobset)))
             for name, run in zip(names(n), runs, strict=True)
         ]
-        watches = OperatorWatches(self.cluster.kubeconfig) if watched else None
-        events: dict[str, int] = {}
-        if watches is not None:
-            watches.start()
         try:
-            result = self._created_by_client(mode, ns, n, items)
+            result = self._created_by_client("zero-reaction", ns, n, items)
         finally:
             controller.shutdown(wait=True)
-            if watches is not None:
-                events = watches.stop()
-        if watches is not None:  # from the first create until the last JobSet was seen
-            result["operator_watch_events_per_run"] = {kind: round(v / n, 2) for kind, v in events.items()}
         for reaction in reactions:
             reaction.result()  # a JobSet that could not be created fails the benchmark, saying which
         result["controller_errors"] = {str(k): v for k, v in errors.items()}
+        return result
+
+    def watch_reaction(self, n: int) -> dict[str, Any]:
+        """The least any controller can do, the operator stopped: another process holds the
+        operator's watches (`OperatorWatches`) and, the moment its TPUFineTune watch shows a run,
+        sends the run's JobSet (rendered beforehand) from a pool of as many threads as the operator
+        has workers. The client creates the TPUFineTunes exactly as in the operator phase. Unlike the
+        zero-reaction controller it learns of a run as the operator must: from a watch event, after
+        the API server has stored the TPUFineTune and fanned it out to its watchers."""
+        ns = f"bench-watch-{n}"
+        runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
+        jobsets = {name: json.dumps(run.jobset) for name, run in zip(names(n), runs, strict=True)}
+        watches = OperatorWatches(self.cluster.kubeconfig, Reaction(ns, jobsets, operator_workers()))
+        watches.start()
+        try:
+            result = self._created_by_client("watch-reaction", ns, n, self.finetune_creates(ns, n))
+        finally:
+            events, outcome = watches.stop()
+        if outcome["failed"]:
+            raise RuntimeError(
+                f"the watch-reaction controller could not create the JobSets of {outcome['failed']}"
+            )
+        result["operator_watch_events_per_run"] = {kind: round(v / n, 2) for kind, v in events.items()}
+        result["controller_errors"] = outcome["errors"]
         return result
 
     def _created_by_client(
@@ -900,7 +992,9 @@ class Bench:
             process.stop()  # the operator's phase: after its runs have Succeeded
         if mode == "direct":
             return self.direct(n)
-        return self.zero_reaction(n, watched=mode == "zero-reaction-watched")
+        if mode == "zero-reaction":
+            return self.zero_reaction(n)
+        return self.watch_reaction(n)
 
     def operator(self, n: int, process: OperatorProcess, *, profile: Path | None = None) -> dict[str, Any]:
         """N runs through ``process``, the operator that ran the warm-up, until all have Succeeded."""

@@ -25,7 +25,13 @@ def _cdf(ax: Any, samples: list[float], **style: Any) -> None:
 
 
 def plot(results: dict[str, Any], path: Path = PNG) -> Path:
-    from bench.__main__ import TARGET_ALL_TO_DIRECT, TARGET_P99_TO_LIMIT, medians, round_figures
+    from bench.__main__ import (
+        TARGET_ALL_TO_DIRECT,
+        TARGET_P99_TO_LIMIT,
+        medians,
+        round_figures,
+        watched_phase,
+    )
 
     phases = results["phases"]
     sizes = sorted({p["n"] for p in phases})
@@ -43,21 +49,21 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
         operator[n], direct[n] = by_round[(n, chosen, "operator")], by_round[(n, chosen, "direct")]
         if (n, chosen, "zero-reaction") in by_round:
             zero[n] = by_round[(n, chosen, "zero-reaction")]
-        if (n, chosen, "zero-reaction-watched") in by_round:
-            watched[n] = by_round[(n, chosen, "zero-reaction-watched")]
+        if (fourth := watched_phase(by_round, n, chosen)) is not None:
+            watched[n] = fourth
     fig, (created, finished, cost, targets) = plt.subplots(1, 4, figsize=(22, 5))
 
     for n in sizes:
         _cdf(created, operator[n]["create_to_jobset_samples"], color=colors[n], label=f"operator N={n}")
         _cdf(created, direct[n]["create_to_jobset_samples"], color=colors[n], ls="--", label=f"direct N={n}")
-        for others, ls, label in ((zero, ":", "zero-reaction"), (watched, "-.", "zero-reaction, watched")):
+        for others, ls in ((zero, ":"), (watched, "-.")):
             if n in others:
                 _cdf(
                     created,
                     others[n]["create_to_jobset_samples"],
                     color=colors[n],
                     ls=ls,
-                    label=f"{label} N={n}",
+                    label=f"{others[n]['mode']} N={n}",
                 )
         _cdf(finished, operator[n]["jobset_completed_to_succeeded_samples"], color=colors[n], label=f"N={n}")
     created.set(
@@ -100,8 +106,8 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
         "all_to_direct": ("s-", TARGET_ALL_TO_DIRECT, "time to all JobSets / direct"),
         "p99_to_zero_limit": ("o--", TARGET_P99_TO_LIMIT, "p99 / zero-reaction limit"),
         "all_to_zero": ("s--", TARGET_ALL_TO_DIRECT, "all JobSets / zero-reaction"),
-        "p99_to_watched_limit": ("o-.", TARGET_P99_TO_LIMIT, "p99 / watched zero-reaction limit"),
-        "all_to_watched": ("s-.", TARGET_ALL_TO_DIRECT, "all JobSets / watched zero-reaction"),
+        "p99_to_watched_limit": ("o-.", TARGET_P99_TO_LIMIT, "p99 / watch-reaction limit"),
+        "all_to_watched": ("s-.", TARGET_ALL_TO_DIRECT, "all JobSets / watch-reaction"),
     }
     for name, (style, target, label) in ratios.items():
         if any(summary[n][name] is None for n in ns):
@@ -124,7 +130,7 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
 
     machine = results.get("machine", {})
     fig.suptitle(
-        "tpuft operator vs direct JobSet creation and a zero-reaction controller - "
+        "tpuft operator vs direct JobSet creation, a zero-reaction and a watch-reaction controller - "
         f"{machine.get('cpus')} CPUs ({machine.get('cpu_model')}), "
         f"{machine.get('memory_gib')} GiB; load average (1/5/15 min) before "
         f"{results.get('load_average_before')}, after {results.get('load_average_after')}"

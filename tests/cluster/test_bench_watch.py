@@ -1,18 +1,32 @@
 """The benchmark's watch (`bench.operator.Watcher`) against the real API server: every latency the
 operator benchmark reports is taken where this watch sees an object, so it must see each one once,
-in order, across the reconnects its short timeout makes."""
+in order, across the reconnects its short timeout makes. And the benchmark's watch-reaction
+controller (`OperatorWatches` with a `Reaction`), the yardstick the operator is judged against: it
+must create each run's JobSet, owned by the run, from its watch alone."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
 
 import pytest
-from bench.operator import Listing, Watcher, api_client
+from bench.operator import (
+    PLACEHOLDER_UID,
+    Listing,
+    OperatorWatches,
+    Reaction,
+    Watcher,
+    api_client,
+    finetune,
+)
 from kubernetes import client
 
+from tests.cluster.test_api_on_cluster import crd  # noqa: F401  (the fixture: the committed CRD, served)
 from tpuft_dev.cluster.local import LocalCluster
+from tpuft_operator.api.resources import FINETUNE, JOBSET
+from tpuft_operator.render import RenderSettings, render_run
 
 pytestmark = pytest.mark.cluster
 
@@ -56,3 +70,49 @@ def test_the_bench_watch_lists_then_follows_each_change_once(
         watcher.stopped.set()
     ours = [event for event in seen if event[1] in ("before", "after")]
     assert ours == [("ADDED", "before"), ("ADDED", "after"), ("DELETED", "before")]
+
+
+@pytest.mark.usefixtures("crd")
+def test_the_watch_reaction_controller_creates_each_runs_jobset_from_its_watch(
+    local_cluster: LocalCluster, namespace: str
+) -> None:
+    runs = ("wr-0", "wr-1")
+    jobsets = {
+        name: json.dumps(
+            render_run(
+                {
+                    **finetune(name, namespace),
+                    "metadata": {"name": name, "namespace": namespace, "uid": PLACEHOLDER_UID},
+                },
+                RenderSettings(trainer_image="example.invalid/tpuft-trainer:test"),
+            ).jobset
+        )
+        for name in runs
+    }
+    api = api_client(local_cluster.kubeconfig)
+    custom = client.CustomObjectsApi(api)
+    (fg, fv, fp), (jg, jv, jp) = FINETUNE.gvp, JOBSET.gvp
+    watches = OperatorWatches(local_cluster.kubeconfig, Reaction(namespace, jobsets, workers=2))
+    watches.start()
+    try:
+        uids = {
+            name: custom.create_namespaced_custom_object(fg, fv, namespace, fp, finetune(name, namespace))[
+                "metadata"
+            ]["uid"]
+            for name in runs
+        }
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            listed = custom.list_namespaced_custom_object(jg, jv, namespace, jp)["items"]
+            if len(listed) == len(runs):
+                break
+            time.sleep(0.2)
+    finally:
+        events, outcome = watches.stop()
+    assert outcome == {"errors": {}, "failed": []}
+    owners = {
+        js["metadata"]["ownerReferences"][0]["name"]: js["metadata"]["ownerReferences"][0]["uid"]
+        for js in listed
+    }
+    assert owners == uids  # each run's JobSet, owned by the run as it was stored
+    assert events["tpufinetunes"] >= len(runs)  # what it reacted to came from its watch

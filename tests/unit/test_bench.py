@@ -199,22 +199,47 @@ def test_a_round_is_judged_against_the_zero_reaction_controller_that_holds_the_o
     assert round_figures(operator_phase, direct, zero)["watched_limit"] is None
 
 
-def test_the_report_shows_the_watched_zero_reaction_controller_where_it_ran() -> None:
-    results = json.loads((Path(__file__).parents[2] / "bench/results/operator-open-loop.json").read_text())
-    before = "\n".join(operator_report(results))
-    assert "the operator's watches held" not in before  # results of a run without that phase
+def _with_fourth_phase(results: dict[str, Any], mode: str) -> dict[str, Any]:
+    """``results`` with a fourth phase of ``mode`` in round one: its zero-reaction phase, twice as slow
+    to all JobSets, its reaction split 0.3/0.6 s."""
     round_one = [p for p in results["phases"] if p.get("round", 0) == 0]
     for phase in [p for p in round_one if p["mode"] == "zero-reaction"]:
-        slower = {
-            **phase,
-            "mode": "zero-reaction-watched",
-            "seconds_to_all_jobsets": 2 * phase["seconds_to_all_jobsets"],
-        }
-        results["phases"].append({**slower, "operator_watch_events_per_run": {"pods": 7.5, "jobsets": 5.0}})
-    report = "\n".join(operator_report(results))
-    assert report.count("the same, the operator's watches held (12.5 events per run)") == 2  # N=100, 300
-    assert report.count("against a zero-reaction controller that holds the operator's watches") == 2
+        split = dict(phase["latency_breakdown"])
+        split["finetune_done_to_jobset_post"] = {"p50": 0.3, "p99": 0.6}
+        results["phases"].append(
+            {
+                **phase,
+                "mode": mode,
+                "seconds_to_all_jobsets": 2 * phase["seconds_to_all_jobsets"],
+                "operator_watch_events_per_run": {"pods": 7.5, "jobsets": 5.0},
+                "latency_breakdown": split,
+            }
+        )
+    return results
+
+
+def test_the_report_shows_the_watch_reaction_controller_where_it_ran() -> None:
+    path = ROOT / "bench/results/operator-open-loop.json"
+    before = "\n".join(operator_report(json.loads(path.read_text())))
+    assert "watch-reaction controller" not in before  # results of a run without that phase
+    report = "\n".join(operator_report(_with_fourth_phase(json.loads(path.read_text()), "watch-reaction")))
+    label = "a watch-reaction controller (learns of each run from its watch, as the operator must)"
+    assert report.count(f"{label} (12.5 watch events per run)") == 2  # N=100, 300
+    assert report.count(f"against {label}:") == 2
+    assert (
+        report.count("the watch-reaction controller's 0.30/0.60") == 2
+    )  # its reaction, beside the operator's
     assert "operator/direct/zero-reaction/watched" in report
+
+
+def test_the_report_still_reads_the_older_watched_zero_reaction_phase() -> None:
+    path = ROOT / "bench/results/operator-open-loop.json"
+    results = _with_fourth_phase(json.loads(path.read_text()), "zero-reaction-watched")
+    report = "\n".join(operator_report(results))
+    label = "a zero-reaction controller that holds the operator's watches"
+    assert report.count(f"{label} (12.5 watch events per run)") == 2
+    assert report.count(f"against {label}:") == 2
+    assert "watch-reaction controller's" not in report  # its reaction is the client's, not a watch's
 
 
 def test_over_four_rounds_every_phase_runs_once_at_every_place() -> None:
@@ -236,8 +261,8 @@ def test_the_report_says_how_the_phases_of_each_round_ran() -> None:
     ]
     line = phase_orders({"cluster_per_phase": True, "phases": phases})[0]
     assert line.endswith(
-        "1: operator, direct, zero-reaction, zero-reaction-watched;"
-        " 2: direct, zero-reaction, zero-reaction-watched, operator"
+        "1: operator, direct, zero-reaction, watch-reaction;"
+        " 2: direct, zero-reaction, watch-reaction, operator"
     )
     assert "one cluster per round" in phase_orders({"phases": phases})[0]  # results before the change
 
