@@ -289,6 +289,13 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             if "finetune_done_to_jobset_post" in split
             else ""
         )
+        waited = phases[(n, round_, mode)].get("operator_queue_wait_to_all_jobsets") or {}
+        if waited.get("create"):
+            c = waited["create"]
+            reaction += (
+                f"; in its queue, runs that needed a JobSet waited p50 <= {_s(c['p50_at_most'])} s,"
+                f" p99 <= {_s(c['p99_at_most'])} s ({c['runs']} takes)"
+            )
         watcher = watched_phase(phases, n, round_)
         watcher_split = _split(watcher) if watcher is not None and watcher["mode"] == "watch-reaction" else {}
         if "finetune_done_to_jobset_post" in watcher_split:

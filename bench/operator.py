@@ -665,6 +665,41 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
     }
 
 
+QUEUE_WAIT_BUCKET = re.compile(
+    r'^tpuft_workqueue_queue_duration_seconds_bucket\{le="([^"]+)",work="(\w+)"\} (\S+)$', re.MULTILINE
+)
+
+
+def queue_wait_buckets(metrics_text: str) -> dict[str, dict[float, float]]:
+    """The operator's cumulative queue-wait histogram (`tpuft_workqueue_queue_duration_seconds`), per
+    ``work`` label: bucket upper bound -> runs taken within it."""
+    buckets: dict[str, dict[float, float]] = {}
+    for bound, work, count in QUEUE_WAIT_BUCKET.findall(metrics_text):
+        buckets.setdefault(work, {})[float(bound)] = float(count)
+    return buckets
+
+
+def queue_wait_between(before: str, after: str) -> dict[str, dict[str, float | int | None]]:
+    """Per ``work`` label, the runs taken between two scrapes of the operator's /metrics and the
+    bucket bounds their median and 99th percentile fall within (an upper bound: the histogram's
+    resolution, e.g. 0.5 means 0.25-0.5 s)."""
+    start, end = queue_wait_buckets(before), queue_wait_buckets(after)
+    out: dict[str, dict[str, float | int | None]] = {}
+    for work, counts in end.items():
+        delta = {
+            bound: count - start.get(work, {}).get(bound, 0.0) for bound, count in sorted(counts.items())
+        }
+        total = delta.get(float("inf"), 0.0)
+
+        def within(q: float, delta: dict[float, float] = delta, total: float = total) -> float | None:
+            return (
+                next((bound for bound, count in delta.items() if count >= q * total), None) if total else None
+            )
+
+        out[work] = {"runs": int(total), "p50_at_most": within(0.5), "p99_at_most": within(0.99)}
+    return out
+
+
 def _audit_time(stamp: str, wall_minus_monotonic: float) -> float:
     """An audit timestamp (RFC 3339, UTC) on the time.monotonic() scale of this process."""
     return datetime.fromisoformat(stamp).timestamp() - wall_minus_monotonic
@@ -1022,8 +1057,10 @@ class Bench:
         ]
         for watcher in watchers:
             watcher.start()
+        metrics_before = process.metrics()
         burst = self._burst(ns, n, self.finetune_creates(ns, n), obs, timeout=600)
         at_jobsets = proc_usage(pid)
+        queue_wait = queue_wait_between(metrics_before, process.metrics())
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # the burst of creates only; py-spy writes its output on SIGINT
             spy.wait(60)
@@ -1045,6 +1082,8 @@ class Bench:
             "runs_seen_running": len(obs.running),
             "runs_succeeded": len(obs.succeeded),
             "operator_api": audit_requests(audit_log, burst.audit_offset, n),
+            # Until the last JobSet: how long runs waited for a worker (the operator's /metrics).
+            "operator_queue_wait_to_all_jobsets": queue_wait,
             "operator_process": {
                 "idle": idle,
                 "at_all_jobsets": at_jobsets,

@@ -21,9 +21,19 @@ QUEUE_DEPTH = Gauge(
 )
 QUEUE_WAIT_SECONDS = Histogram(
     "tpuft_workqueue_queue_duration_seconds",
-    "Time a run waits in the work queue, from the event that marked it to a worker taking it.",
+    "Time a run waits in the work queue, from the event that marked it to a worker taking it; "
+    "work=create: a run that needs its JobSet (taken first), work=other: the rest (status, held while "
+    "JobSets are being created).",
+    ["work"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+
+
+def observe_queue_wait(seconds: float, urgent: bool) -> None:
+    """A run's wait in the work queue (workqueue.WorkQueue's ``waited``)."""
+    QUEUE_WAIT_SECONDS.labels(work="create" if urgent else "other").observe(seconds)
+
+
 RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
 GOODPUT = Gauge(
     "tpuft_run_goodput_ratio",

@@ -215,7 +215,7 @@ class Runtime:
         self.workers = workers
         self.resync_seconds = resync_seconds
         self.watches = watches or Watches()
-        self.queue = WorkQueue(waited=metrics.QUEUE_WAIT_SECONDS.observe)
+        self.queue = WorkQueue(waited=metrics.observe_queue_wait)
         self.events = EventPoster(post_event, wait_quiet=self.queue.wait_quiet)
         w = self.watches
         self.views = Views(w.finetunes, w.jobsets, w.pods, w.nodes, w.workloads)

@@ -38,8 +38,9 @@ RECHECK_SECONDS = 1.0
 
 
 class WorkQueue:
-    def __init__(self, *, waited: Callable[[float], None] | None = None) -> None:
-        """``waited``: called with the seconds each run waited, from its mark to a worker taking it."""
+    def __init__(self, *, waited: Callable[[float, bool], None] | None = None) -> None:
+        """``waited``: called with the seconds each run waited, from its mark to a worker taking it,
+        and whether it was taken as urgent (it needed its JobSet)."""
         self._waited = waited
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # workers wait here for a run
@@ -141,12 +142,13 @@ class WorkQueue:
         return None
 
     def _take(self, key: Key) -> Key:
-        if self._waiting.pop(key):
+        urgent = self._waiting.pop(key)
+        if urgent:
             self._urgent_waiting -= 1
         self._processing.add(key)
         marked = self._marked_at.pop(key, None)
         if self._waited is not None and marked is not None:
-            self._waited(time.monotonic() - marked)
+            self._waited(time.monotonic() - marked, urgent)
         return key
 
     def done(self, key: Key) -> None:

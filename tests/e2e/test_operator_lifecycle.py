@@ -307,4 +307,7 @@ def test_metrics_and_health(local_cluster: LocalCluster, operator: OperatorProce
     assert "tpuft_reconciles_total" in text
     assert "tpuft_reconcile_duration_seconds_bucket" in text
     assert 'tpuft_runs{phase="Running"}' in text
+    # The runs of the tests above waited for a worker to create their JobSets, and for status work.
+    assert 'tpuft_workqueue_queue_duration_seconds_count{work="create"}' in text
+    assert 'tpuft_workqueue_queue_duration_seconds_count{work="other"}' in text
     assert operator.alive()

@@ -221,3 +221,14 @@ def test_a_held_run_goes_when_the_last_create_of_a_burst_ends_not_at_each_one(mo
     queue.done(C)  # the last one ends: A goes now, not when its hold runs out
     taker.join(2)
     assert got == [A]
+
+
+def test_each_wait_is_reported_with_whether_the_run_needed_its_jobset() -> None:
+    waits: list[tuple[float, bool]] = []
+    queue = WorkQueue(waited=lambda seconds, urgent: waits.append((seconds, urgent)))
+    queue.add(A)
+    queue.add(B, urgent=True)
+    time.sleep(0.05)
+    assert drain(queue) == [B, A]  # B first: it needs its JobSet; A once the burst (B) is over
+    assert [urgent for _, urgent in waits] == [True, False]
+    assert all(seconds >= 0.05 for seconds, _ in waits)  # from its mark to a worker taking it
