@@ -290,12 +290,15 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             else ""
         )
         waited = phases[(n, round_, mode)].get("operator_queue_wait_to_all_jobsets") or {}
-        if waited.get("create"):
-            c = waited["create"]
+        if waited.get("work=create"):
+            c = waited["work=create"]
             reaction += (
                 f"; in its queue, runs that needed a JobSet waited p50 <= {_s(c['p50_at_most'])} s,"
-                f" p99 <= {_s(c['p99_at_most'])} s ({c['runs']} takes)"
+                f" p99 <= {_s(c['p99_at_most'])} s ({c['count']} takes)"
             )
+        lag = (phases[(n, round_, mode)].get("operator_loop_lag_to_all_jobsets") or {}).get("")
+        if lag:
+            reaction += f"; its event loop ran late p50 <= {_s(lag['p50_at_most'])} s, p99 <= {_s(lag['p99_at_most'])} s"
         watcher = watched_phase(phases, n, round_)
         watcher_split = _split(watcher) if watcher is not None and watcher["mode"] == "watch-reaction" else {}
         if "finetune_done_to_jobset_post" in watcher_split:

@@ -665,30 +665,32 @@ def audit_requests(path: Path, offset: int, n: int) -> dict[str, Any]:
     }
 
 
-QUEUE_WAIT_BUCKET = re.compile(
-    r'^tpuft_workqueue_queue_duration_seconds_bucket\{le="([^"]+)",work="(\w+)"\} (\S+)$', re.MULTILINE
-)
+BUCKET_LINE = re.compile(r"^(\w+)_bucket\{([^}]*)\} (\S+)$", re.MULTILINE)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def queue_wait_buckets(metrics_text: str) -> dict[str, dict[float, float]]:
-    """The operator's cumulative queue-wait histogram (`tpuft_workqueue_queue_duration_seconds`), per
-    ``work`` label: bucket upper bound -> runs taken within it."""
-    buckets: dict[str, dict[float, float]] = {}
-    for bound, work, count in QUEUE_WAIT_BUCKET.findall(metrics_text):
-        buckets.setdefault(work, {})[float(bound)] = float(count)
-    return buckets
+def histogram_buckets(metrics_text: str, name: str) -> dict[str, dict[float, float]]:
+    """A cumulative histogram of an operator's /metrics text: per series (its labels but ``le``, as
+    "work=create", or "" for an unlabelled one), bucket upper bound -> observations within it."""
+    series: dict[str, dict[float, float]] = {}
+    for metric, labels, count in BUCKET_LINE.findall(metrics_text):
+        if metric != name:
+            continue
+        pairs = dict(LABEL.findall(labels))
+        bound = float(pairs.pop("le"))
+        key = ",".join(f"{k}={v}" for k, v in sorted(pairs.items()))
+        series.setdefault(key, {})[bound] = float(count)
+    return series
 
 
-def queue_wait_between(before: str, after: str) -> dict[str, dict[str, float | int | None]]:
-    """Per ``work`` label, the runs taken between two scrapes of the operator's /metrics and the
-    bucket bounds their median and 99th percentile fall within (an upper bound: the histogram's
-    resolution, e.g. 0.5 means 0.25-0.5 s)."""
-    start, end = queue_wait_buckets(before), queue_wait_buckets(after)
+def histogram_between(before: str, after: str, name: str) -> dict[str, dict[str, float | int | None]]:
+    """Per series of histogram ``name``, the observations made between two scrapes of the operator's
+    /metrics and the bucket bounds their median and 99th percentile fall within (an upper bound: the
+    histogram's resolution; 0.5 means somewhere in the bucket below 0.5 s)."""
+    start, end = histogram_buckets(before, name), histogram_buckets(after, name)
     out: dict[str, dict[str, float | int | None]] = {}
-    for work, counts in end.items():
-        delta = {
-            bound: count - start.get(work, {}).get(bound, 0.0) for bound, count in sorted(counts.items())
-        }
+    for key, counts in end.items():
+        delta = {bound: count - start.get(key, {}).get(bound, 0.0) for bound, count in sorted(counts.items())}
         total = delta.get(float("inf"), 0.0)
 
         def within(q: float, delta: dict[float, float] = delta, total: float = total) -> float | None:
@@ -696,7 +698,7 @@ def queue_wait_between(before: str, after: str) -> dict[str, dict[str, float | i
                 next((bound for bound, count in delta.items() if count >= q * total), None) if total else None
             )
 
-        out[work] = {"runs": int(total), "p50_at_most": within(0.5), "p99_at_most": within(0.99)}
+        out[key] = {"count": int(total), "p50_at_most": within(0.5), "p99_at_most": within(0.99)}
     return out
 
 
@@ -1060,7 +1062,7 @@ class Bench:
         metrics_before = process.metrics()
         burst = self._burst(ns, n, self.finetune_creates(ns, n), obs, timeout=600)
         at_jobsets = proc_usage(pid)
-        queue_wait = queue_wait_between(metrics_before, process.metrics())
+        metrics_after = process.metrics()
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # the burst of creates only; py-spy writes its output on SIGINT
             spy.wait(60)
@@ -1082,8 +1084,14 @@ class Bench:
             "runs_seen_running": len(obs.running),
             "runs_succeeded": len(obs.succeeded),
             "operator_api": audit_requests(audit_log, burst.audit_offset, n),
-            # Until the last JobSet: how long runs waited for a worker (the operator's /metrics).
-            "operator_queue_wait_to_all_jobsets": queue_wait,
+            # Until the last JobSet (the operator's /metrics): how long runs waited for a worker, and
+            # how late the event loop that reads the watches ran.
+            "operator_queue_wait_to_all_jobsets": histogram_between(
+                metrics_before, metrics_after, "tpuft_workqueue_queue_duration_seconds"
+            ),
+            "operator_loop_lag_to_all_jobsets": histogram_between(
+                metrics_before, metrics_after, "tpuft_event_loop_lag_seconds"
+            ),
             "operator_process": {
                 "idle": idle,
                 "at_all_jobsets": at_jobsets,

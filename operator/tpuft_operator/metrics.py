@@ -34,6 +34,12 @@ def observe_queue_wait(seconds: float, urgent: bool) -> None:
     QUEUE_WAIT_SECONDS.labels(work="create" if urgent else "other").observe(seconds)
 
 
+EVENT_LOOP_LAG_SECONDS = Histogram(
+    "tpuft_event_loop_lag_seconds",
+    "How late the event loop that reads every watch runs what is due (probed every 0.1 s): each watch "
+    "event waits about this long before it marks its run.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
 RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
 GOODPUT = Gauge(
     "tpuft_run_goodput_ratio",

@@ -227,6 +227,7 @@ class Runtime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kopf_settings: kopf.OperatorSettings | None = None
         self._resync: asyncio.Task[None] | None = None
+        self._lag_probe: asyncio.Task[None] | None = None
 
     # -- life cycle (kopf's startup and cleanup handlers) --
 
@@ -251,12 +252,14 @@ class Runtime:
         for number in range(self.workers):
             threading.Thread(target=self._work, name=f"tpuft-worker-{number}", daemon=True).start()
         self._resync = asyncio.create_task(self._resync_forever())
+        self._lag_probe = asyncio.create_task(probe_loop_lag(metrics.EVENT_LOOP_LAG_SECONDS.observe))
 
     def stop(self) -> None:
         self.watches.stop()
         self.events.stop()
-        if self._resync is not None:
-            self._resync.cancel()
+        for task in (self._resync, self._lag_probe):
+            if task is not None:
+                task.cancel()
         self.queue.close()
 
     # -- watch events, on the event loop: each marks the runs it concerns --
@@ -375,6 +378,20 @@ class Runtime:
                 self.queue.add((index_key[0], str(finetune["metadata"]["name"])), urgent=jobset is None)
         if self.reconciler is not None:
             self.reconciler.forget_all_but(uids, seen_before=started)
+
+
+# How often the event loop's lag is probed (`probe_loop_lag`): ten wake-ups a second cost nothing.
+LAG_PROBE_SECONDS = 0.1
+
+
+async def probe_loop_lag(observe: Callable[[float], None], every: float = LAG_PROBE_SECONDS) -> None:
+    """Reports, every ``every`` seconds, how much later than due the event loop woke this task: the
+    watches' events wait that long too. The loop shares the GIL with the worker threads, so a busy
+    worker pool shows here before it shows anywhere else (`tpuft_event_loop_lag_seconds`)."""
+    while True:
+        due = time.monotonic() + every
+        await asyncio.sleep(every)
+        observe(max(0.0, time.monotonic() - due))
 
 
 def _name_and_labels(obj: Mapping[str, Any]) -> tuple[str, str, Mapping[str, str]]:

@@ -19,10 +19,10 @@ from bench.operator import (
     PHASES,
     REPEAT,
     audit_requests,
+    histogram_between,
     latency_breakdown,
     percentiles,
     phase_order,
-    queue_wait_between,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -326,18 +326,22 @@ def test_report_of_a_file_reports_that_file_and_draws_its_plot_beside_it(
     assert {p["n"] for p in json.loads(stored.read_text())["phases"]} != {1000}  # the other file
 
 
-def test_the_operators_queue_wait_is_read_from_its_metrics_between_two_scrapes() -> None:
+def test_the_operators_histograms_are_read_from_its_metrics_between_two_scrapes() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
     registry = CollectorRegistry()
-    waits = Histogram(
-        "tpuft_workqueue_queue_duration_seconds", "", ["work"], buckets=(0.1, 0.5, 1, 5), registry=registry
-    )
+    waits = Histogram("waits_seconds", "", ["work"], buckets=(0.1, 0.5, 1, 5), registry=registry)
+    lag = Histogram("lag_seconds", "", buckets=(0.01, 0.1), registry=registry)
     waits.labels(work="create").observe(4.0)  # before the burst: not counted
     before = generate_latest(registry).decode()
     for seconds in [0.05] * 60 + [0.3] * 39 + [3.0]:
         waits.labels(work="create").observe(seconds)
     waits.labels(work="other").observe(0.7)
-    waited = queue_wait_between(before, generate_latest(registry).decode())
-    assert waited["create"] == {"runs": 100, "p50_at_most": 0.1, "p99_at_most": 0.5}
-    assert waited["other"] == {"runs": 1, "p50_at_most": 1.0, "p99_at_most": 1.0}
+    lag.observe(0.05)
+    after = generate_latest(registry).decode()
+    waited = histogram_between(before, after, "waits_seconds")
+    assert waited["work=create"] == {"count": 100, "p50_at_most": 0.1, "p99_at_most": 0.5}
+    assert waited["work=other"] == {"count": 1, "p50_at_most": 1.0, "p99_at_most": 1.0}
+    assert histogram_between(before, after, "lag_seconds") == {
+        "": {"count": 1, "p50_at_most": 0.1, "p99_at_most": 0.1}
+    }

@@ -7,6 +7,7 @@ created again under its name starts from nothing. The real watches are in tests/
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.runs import RunBook
-from tpuft_operator.runtime import Runtime, Views
+from tpuft_operator.runtime import Runtime, Views, probe_loop_lag
 from tpuft_operator.watches import FINETUNES, Store, Watches
 
 
@@ -341,3 +342,19 @@ def test_a_normal_event_waits_for_the_burst_of_creates_then_is_posted(monkeypatc
         time.sleep(0.01)
     poster.stop()
     assert posted == ["Running"]
+
+
+def test_the_event_loops_lag_is_how_late_it_ran_what_was_due() -> None:
+    lags: list[float] = []
+
+    async def scenario() -> None:
+        probe = asyncio.create_task(probe_loop_lag(lags.append, every=0.02))
+        await asyncio.sleep(0.1)  # an idle loop: on time
+        time.sleep(0.3)  # the loop held (as by a thread holding the GIL, or a blocking call on it)
+        await asyncio.sleep(0.1)
+        probe.cancel()
+
+    asyncio.run(scenario())
+    assert len(lags) >= 3
+    assert max(lags) >= 0.25  # the probe due during the hold woke ~0.28 s late
+    assert min(lags) < 0.05  # and the others on time (an idle loop adds no lag)
