@@ -235,7 +235,9 @@ class Watches:
                         continue
                     uid = str(obj["metadata"].get("uid"))
                     if type_ is None:  # an object of a listing (kopf's convention)
-                        listing = (listing if listing is not None else set()) | {uid}
+                        if listing is None:
+                            listing = set()
+                        listing.add(uid)  # (a new set per object made a listing of N cost N^2)
                         type_ = "ADDED"
                     if type_ == "DELETED":
                         store.discard(uid)
