@@ -29,13 +29,8 @@ from collections.abc import Callable
 Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
 # A burst of creates counts as going on this long after its last mark (the gaps between arrivals).
 QUIET_SECONDS = 0.3
-# No run waits longer than this for a burst of creates to end... A burst of 1000 runs lasts 12-16 s
-# on the benchmark machine. With 5 s, in two of four rounds the holds ended mid-burst while the
-# TPUFineTunes' watch events trickled in and left workers idle: ~200 status patches went out before
-# the last JobSet, the API server spent 20-21 ms per run instead of 15-16, and the last JobSet came
-# 1.26-1.36x as late as from the benchmark's watch-reaction controller (0.99-1.07x in the rounds
-# with 3 patches; `python -m bench operator`, bench/results/operator-1000-watch-reaction.json).
-HOLD_SECONDS = 30.0
+# No run waits longer than this for a burst of creates to end...
+HOLD_SECONDS = 5.0
 # ...and while the burst lasts, no more than this many workers do the work of such runs at once.
 BURST_OTHER_WORKERS = 2
 # The longest a worker sleeps before it looks again when nothing wakes it (a safety net).

@@ -207,7 +207,7 @@ def test_a_held_run_goes_when_the_last_create_of_a_burst_ends_not_at_each_one(mo
 
     monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.0)
     queue = WorkQueue()
-    queue.add(A)  # a status to write: held while JobSets are created (HOLD_SECONDS: 30 s)
+    queue.add(A)  # a status to write: held while JobSets are created (HOLD_SECONDS: 5 s)
     queue.add(B, urgent=True)
     queue.add(C, urgent=True)
     assert queue.get() == B and queue.get() == C  # two creates at once
