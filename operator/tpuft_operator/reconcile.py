@@ -293,6 +293,12 @@ class Reconciler:
         for state in self.runs.retain(uids, seen_before=seen_before):
             metrics.forget_run(state.key)
 
+    def has_jobset(self, finetune: Obj) -> bool:
+        """Whether this process created or adopted the run's JobSet and has not seen it deleted (its
+        watch may not show it yet: `_jobset_of_record`)."""
+        state = self.runs.get(str(finetune["metadata"].get("uid")))
+        return state is not None and state.jobset is not None
+
     def jobset_deleted(self, finetune: Obj) -> None:
         """The run's JobSet is gone (its watch says so): stop standing in for it."""
         state = self.runs.get(str(finetune["metadata"].get("uid")))

@@ -72,6 +72,24 @@ def test_a_new_run_goes_ahead_of_status_work() -> None:
     assert drain(runtime) == [("ns", "new"), ("ns", "running")]
 
 
+def test_a_run_whose_jobset_this_process_created_is_not_urgent_before_the_watch_shows_it() -> None:
+    # Under a burst the JobSet watch lags the API by seconds: a resync (or a status event) in that
+    # window must not put runs that have their JobSet ahead of the runs that still wait for theirs.
+    reconciler = Reconciler(api=None, render_settings=RenderSettings())  # type: ignore[arg-type]
+    created, waiting = finetune("created", "u-1"), finetune("waiting", "u-2")
+    runtime = runtime_with(created, waiting)  # the JobSet watch shows neither JobSet
+    runtime.reconciler = reconciler
+    reconciler.runs.of(created).jobset = jobset("created", "u-1")  # created by this process
+    assert not runtime.needs_jobset(created) and runtime.needs_jobset(waiting)
+    runtime.on_finetune("MODIFIED", created)
+    runtime.on_finetune("ADDED", waiting)
+    assert drain(runtime) == [("ns", "waiting"), ("ns", "created")]
+    runtime.resync()
+    assert drain(runtime) == [("ns", "waiting"), ("ns", "created")]
+    runtime.on_jobset("DELETED", "ns", "created", {FINETUNE_LABEL: "created"})  # gone: needed again
+    assert runtime.needs_jobset(created)
+
+
 def test_a_child_event_marks_only_its_own_run_when_labels_collide() -> None:
     # Two runs whose label values collide (a long name is indexed by prefix + hash): the uid label decides.
     one, two = finetune("a", "u-1"), finetune("a-twin", "u-2")
