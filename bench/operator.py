@@ -376,7 +376,7 @@ def _operator_watches(
             sent[name] = pool.submit(retried, name, create, errors)
 
     def count(index: int, type_: str, obj: dict[str, Any], at: float) -> None:
-        if index == 0 and type_ == "ADDED":
+        if index == 0 and type_ == "ADDED":  # listings[0]: the TPUFineTunes
             react(obj)
         with events.get_lock():
             events[index] += 1
