@@ -266,12 +266,18 @@ def operator_report(results: dict[str, Any]) -> list[str]:
     for n, round_, mode in sorted(phases):
         if mode != "operator" or (n, round_, "direct") not in phases:
             continue
+        o, watcher = phases[(n, round_, mode)], watched_phase(phases, n, round_)
+        columns = [("operator", o), ("direct", phases[(n, round_, "direct")])]
+        columns += [
+            (label, other)
+            for label, other in (
+                ("zero-reaction", phases.get((n, round_, "zero-reaction"))),
+                ("watched", watcher),
+            )
+            if other is not None
+        ]
         parts = []
-        measured = [phases[(n, round_, mode)], phases[(n, round_, "direct")]]
-        for other in (phases.get((n, round_, "zero-reaction")), watched_phase(phases, n, round_)):
-            if other is not None:
-                measured.append(other)
-        for phase in measured:
+        for _, phase in columns:
             split = _split(phase)
             if not split:
                 parts.append("- (the wall clock was stepped)")
@@ -283,38 +289,28 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                     if k in split
                 )
             )
-        split = _split(phases[(n, round_, mode)])
+        split = _split(o)
         reaction = (
             f"; the operator's reaction (TPUFineTune stored -> its JobSet POST) {_p50_p99(split['finetune_done_to_jobset_post'])}"
             if "finetune_done_to_jobset_post" in split
             else ""
         )
-        waited = phases[(n, round_, mode)].get("operator_queue_wait_to_all_jobsets") or {}
-        if waited.get("work=create"):
-            c = waited["work=create"]
-            reaction += (
-                f"; in its queue, runs that needed a JobSet waited p50 <= {_s(c['p50_at_most'])} s,"
-                f" p99 <= {_s(c['p99_at_most'])} s ({c['count']} takes)"
-            )
-        lag = (phases[(n, round_, mode)].get("operator_loop_lag_to_all_jobsets") or {}).get("")
-        if lag:
-            reaction += f"; its event loop ran late p50 <= {_s(lag['p50_at_most'])} s, p99 <= {_s(lag['p99_at_most'])} s"
-        watcher = watched_phase(phases, n, round_)
         watcher_split = _split(watcher) if watcher is not None and watcher["mode"] == "watch-reaction" else {}
         if "finetune_done_to_jobset_post" in watcher_split:
             reaction += (
                 f", the watch-reaction controller's {_p50_p99(watcher_split['finetune_done_to_jobset_post'])}"
             )
-        lines.append(f"{n:>5} {round_ + 1:>5}  {' | '.join(parts)}{reaction}")
-        columns = [("operator", phases[(n, round_, mode)]), ("direct", phases[(n, round_, "direct")])]
-        columns += [
-            (label, other)
-            for label, other in (
-                ("zero-reaction", phases.get((n, round_, "zero-reaction"))),
-                ("watched", watcher),
+        waited = o.get("operator_queue_wait_to_all_jobsets") or {}
+        if waited.get("work=create"):
+            c = waited["work=create"]
+            reaction += (
+                f"; in the operator's queue, runs that needed a JobSet waited p50 <= {_s(c['p50_at_most'])} s,"
+                f" p99 <= {_s(c['p99_at_most'])} s ({c['count']} takes)"
             )
-            if other is not None
-        ]
+        lag = (o.get("operator_loop_lag_to_all_jobsets") or {}).get("")
+        if lag:
+            reaction += f"; its event loop ran late p50 <= {_s(lag['p50_at_most'])} s, p99 <= {_s(lag['p99_at_most'])} s"
+        lines.append(f"{n:>5} {round_ + 1:>5}  {' | '.join(parts)}{reaction}")
         cpus: list[tuple[dict[str, float], str]] = [
             (cpu, label)
             for label, phase in columns

@@ -17,8 +17,7 @@ a round favours none of them.
 3. *zero-reaction*, the operator stopped: a controller that takes no time at all. The client
    creates the TPUFineTunes as in the operator phase, and the moment each is stored its JobSet
    (rendered and encoded beforehand: `send_jobset`) is sent from a pool of as many threads as the
-   operator has workers: the
-   same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
+   operator has workers: the same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
    same API server; the direct phase pays for the JobSets only, so on a CPU-bound API server it is
    a limit no controller can reach.
 4. *watch-reaction*, the operator stopped: the least any Kubernetes controller can do. Another
@@ -184,12 +183,12 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
 
 
 # --------------------------------------------------------------------------- clients and watches
-def api_client(kubeconfig: Path, *, connections: int | None = None) -> client.ApiClient:
-    """A client whose pool keeps ``connections`` open (default: the client's threads, a controller's
-    as many as the operator's workers, and watches): a call beyond it would pay a new TLS handshake."""
+def api_client(kubeconfig: Path) -> client.ApiClient:
+    """A client whose pool keeps a connection for each of the client's threads, a controller's as many
+    as the operator's workers, and a few watches: a call beyond it would pay a new TLS handshake."""
     configuration = client.Configuration()
     config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-    configuration.connection_pool_maxsize = connections or THREADS + operator_workers() + 8
+    configuration.connection_pool_maxsize = THREADS + operator_workers() + 8
     return client.ApiClient(configuration)
 
 
@@ -691,15 +690,18 @@ def histogram_between(before: str, after: str, name: str) -> dict[str, dict[str,
     out: dict[str, dict[str, float | int | None]] = {}
     for key, counts in end.items():
         delta = {bound: count - start.get(key, {}).get(bound, 0.0) for bound, count in sorted(counts.items())}
-        total = delta.get(float("inf"), 0.0)
-
-        def within(q: float, delta: dict[float, float] = delta, total: float = total) -> float | None:
-            return (
-                next((bound for bound, count in delta.items() if count >= q * total), None) if total else None
-            )
-
-        out[key] = {"count": int(total), "p50_at_most": within(0.5), "p99_at_most": within(0.99)}
+        out[key] = {
+            "count": int(delta.get(float("inf"), 0.0)),
+            "p50_at_most": _bucket_of(delta, 0.5),
+            "p99_at_most": _bucket_of(delta, 0.99),
+        }
     return out
+
+
+def _bucket_of(cumulative: dict[float, float], q: float) -> float | None:
+    """The upper bound of the first bucket (in ascending order) holding the q-quantile, if any."""
+    total = cumulative.get(float("inf"), 0.0)
+    return next((bound for bound, count in cumulative.items() if count >= q * total), None) if total else None
 
 
 def _audit_time(stamp: str, wall_minus_monotonic: float) -> float:
