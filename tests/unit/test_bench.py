@@ -140,6 +140,7 @@ def test_the_latency_is_split_at_the_posts(tmp_path: Path) -> None:
     assert p50("send_to_finetune_post") == pytest.approx(0.1, abs=0.01)
     assert p50("finetune_post_in_apiserver") == pytest.approx(0.2, abs=0.01)
     assert p50("finetune_done_to_jobset_post") == pytest.approx(2.0, abs=0.01)
+    assert split["seconds_to_all_jobsets_stored"] == pytest.approx(2.8, abs=0.01)  # no watch's lag
 
 
 def test_the_bound_is_what_direct_creation_leaves_after_the_client_has_sent_everything() -> None:
@@ -198,6 +199,32 @@ def test_a_round_is_judged_against_the_zero_reaction_controller_that_holds_the_o
     assert figures["all_to_watched"] == pytest.approx(4.0 / 5.0)  # the operator was faster
     assert figures["watched_fastest"] == 0.3
     assert round_figures(operator_phase, direct, zero)["watched_limit"] is None
+    assert figures["stored_p99_to_watched"] is None  # results without the audit log's breakdown
+
+
+def test_the_controllers_are_also_compared_where_the_api_server_stored_each_jobset() -> None:
+    """Without the client's JobSet watch, whose lag differs from phase to phase: create -> stored
+    from the audit log, and the first send -> the last JobSet stored."""
+
+    def stored(p99: float, all_stored: float) -> dict[str, Any]:
+        return {
+            "send_to_jobset_stored": {"p50": p99 / 2, "p99": p99},
+            "seconds_to_all_jobsets_stored": all_stored,
+        }
+
+    operator_phase = {**an_operator_phase(**{"201": 9}), "latency_breakdown": stored(1.8, 10.5)}
+    watched = {
+        "create_to_jobset": {"p99": 3.0, "min": 0.3},  # its client's watch lagged: 3.0 s seen, 1.5 s stored
+        "seconds_to_all_jobsets": 5.0,
+        "latency_breakdown": stored(1.5, 10.0),
+    }
+    figures = round_figures(operator_phase, DIRECT, None, watched)
+    assert figures["watched_stored_p99"] == 1.5
+    assert figures["stored_p99_to_watched"] == pytest.approx(1.2)
+    assert figures["all_stored_to_watched"] == pytest.approx(1.05)
+    # Older results (no seconds_to_all_jobsets_stored): the p99 ratio only.
+    older = {**watched, "latency_breakdown": {"send_to_jobset_stored": {"p50": 0.7, "p99": 1.5}}}
+    assert round_figures(operator_phase, DIRECT, None, older)["all_stored_to_watched"] is None
 
 
 def _with_fourth_phase(results: dict[str, Any], mode: str) -> dict[str, Any]:
