@@ -19,7 +19,7 @@ from tpuft_operator.handlers import build_registry
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
-from tpuft_operator.runtime import Runtime
+from tpuft_operator.runtime import Runtime, api_connections
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.topology import ACCELERATOR_LABEL
 from tpuft_operator.watches import Watches
@@ -162,9 +162,10 @@ def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
 def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None) -> None:
     """Runs the operator until stopped (SIGTERM/SIGINT, or ``stop_flag`` in tests)."""
     logging.getLogger("kopf.objects").addFilter(QuietHandlerSuccess())
-    api = Api(load_client(settings.kubeconfig, connections=settings.workers))  # one per worker thread
+    connections = api_connections(settings.workers)
+    api = Api(load_client(settings.kubeconfig, connections=connections))
     settings = check_workload_access(check_node_access(settings, api), api)
-    api.warm_up(settings.workers)  # a burst of runs at start-up (a restart) finds its connections open
+    api.warm_up(connections)  # a burst of runs at start-up (a restart) finds its connections open
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.bind_address)
     # kopf's settings are configured by the first startup handler, before the runtime opens its

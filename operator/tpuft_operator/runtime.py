@@ -115,6 +115,8 @@ class Views:
 # 15-20 s on the benchmark machine: with a 5 s hold ~240 Events were POSTed while JobSets still
 # waited (`python -m bench operator`, its audit log); an Event half a minute late costs no one.
 EVENT_HOLD_SECONDS = 60.0
+# The threads that post Events (EventPoster): enough that a run's Events keep up with its status.
+EVENT_POSTER_THREADS = 4
 
 # An Event as it waits: (involved object, type "Normal"/"Warning", reason, message, when it happened);
 # `PostEvent` takes the same and posts it as a Kubernetes Event (k8s.Api).
@@ -142,7 +144,7 @@ class EventPoster:
         self,
         post: PostEvent,
         *,
-        threads: int = 4,
+        threads: int = EVENT_POSTER_THREADS,
         limit: int = 10_000,
         wait_quiet: Callable[[float], object] = lambda seconds: True,
         hold_seconds: float = EVENT_HOLD_SECONDS,
@@ -199,6 +201,16 @@ class EventPoster:
 def _name(obj: Mapping[str, Any]) -> str:
     meta = obj.get("metadata") or {}
     return f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+def api_connections(workers: int) -> int:
+    """The connections the operator's API client keeps open: one for every thread that may call at
+    once (the workers, the Event posters, and two for the calls of threads that come and go: a
+    namespace's ServiceAccount create). A call beyond the pool gets a connection of its own that is
+    closed after it, so the next one pays a new TLS handshake: with the pool sized for the workers
+    alone, the operator of each 1000-run benchmark phase logged 4-10 "Connection pool is full", all
+    once the Events were posted alongside the workers' status patches."""
+    return workers + EVENT_POSTER_THREADS + 2
 
 
 class Runtime:

@@ -376,3 +376,61 @@ def test_the_event_loops_lag_is_how_late_it_ran_what_was_due() -> None:
     assert len(lags) >= 3
     assert max(lags) >= 0.25  # the probe due during the hold woke ~0.28 s late
     assert min(lags) < 0.05  # and the others on time (an idle loop adds no lag)
+
+
+def test_every_thread_that_calls_the_api_at_once_finds_a_kept_connection(
+    tmp_path: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    """The workers and the Event posters all calling at once (a burst's status patches and its
+    Events): none is handed a connection that is closed after its call, whose successor would pay a
+    new TLS handshake. A real HTTP server answering after a pause, the operator's real client."""
+    import logging
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    from tpuft_operator.k8s import Api, load_client
+    from tpuft_operator.runtime import EVENT_POSTER_THREADS, api_connections
+
+    workers = 6
+    callers = workers + EVENT_POSTER_THREADS
+    arrived = threading.Barrier(callers, timeout=10)
+
+    class Slow(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the API server
+
+        def do_GET(self) -> None:
+            if self.path == "/version":
+                arrived.wait()  # every caller holds its connection at the same time
+            body = b"{}"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{server.server_port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    monkeypatch.setattr(client.Configuration, "_default", None)  # load_kube_config sets the default
+    try:
+        api = Api(load_client(str(kubeconfig), connections=api_connections(workers)))
+        with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
+            calls = [threading.Thread(target=api._call, args=("GET", "/version")) for _ in range(callers)]
+            for call in calls:
+                call.start()
+            for call in calls:
+                call.join(10)
+    finally:
+        server.shutdown()
+    assert not arrived.broken
+    assert not [r for r in caplog.records if "Connection pool is full" in r.getMessage()]
