@@ -243,6 +243,9 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         during = api.get("other_writes_until_last_jobset")
         if during is not None:
             shown = ", ".join(f"{count} {kind}" for kind, count in during.items()) or "none"
+            discarded = o.get("operator_connections_discarded")
+            if discarded is not None:  # results since 2026-12-05
+                shown += f"; connections opened beyond its pool and closed after one call: {discarded}"
             lines.append(f"{'':>11} the operator's other writes until its last JobSet create: {shown}")
         if zero is not None:
             z = zero["create_to_jobset"]

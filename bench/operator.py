@@ -762,6 +762,13 @@ def latency_breakdown(
     return split
 
 
+def logged_since(path: Path, offset: int, text: str) -> int:
+    """The lines of log ``path`` past byte ``offset`` that contain ``text``."""
+    with path.open("rb") as log:
+        log.seek(offset)
+        return sum(1 for line in log if text.encode() in line)
+
+
 def operator_listed(path: Path) -> bool:
     """Whether the operator's lists of TPUFineTunes, JobSets and pods have succeeded (its watches follow)."""
     listed = set()
@@ -1074,6 +1081,7 @@ class Bench:
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
 
+        log_offset = process.log_path.stat().st_size
         obs = Observations()
         watchers = self.client_watches(ns, obs)
         metrics_before = process.metrics()
@@ -1108,6 +1116,11 @@ class Bench:
             ),
             "operator_loop_lag_to_all_jobsets": histogram_between(
                 metrics_before, metrics_after, "tpuft_event_loop_lag_seconds"
+            ),
+            # urllib3's "Connection pool is full": a call beyond the client's pool, whose connection
+            # was closed after it (the next call pays a TLS handshake); from the burst to the end.
+            "operator_connections_discarded": logged_since(
+                process.log_path, log_offset, "Connection pool is full"
             ),
             "operator_process": {
                 "idle": idle,

@@ -372,3 +372,15 @@ def test_the_operators_histograms_are_read_from_its_metrics_between_two_scrapes(
     assert histogram_between(before, after, "lag_seconds") == {
         "": {"count": 1, "p50_at_most": 0.1, "p99_at_most": 0.1}
     }
+
+
+def test_log_lines_are_counted_from_where_the_phase_began(tmp_path: Path) -> None:
+    from bench.operator import logged_since
+
+    log = tmp_path / "operator.log"
+    log.write_bytes(b"Connection pool is full, discarding connection: 127.0.0.1\nstarting\n")
+    offset = log.stat().st_size  # an earlier phase's line stays out
+    with log.open("ab") as more:
+        more.write(b"created JobSet r-0001\nConnection pool is full, discarding connection: 127.0.0.1\n")
+    assert logged_since(log, offset, "Connection pool is full") == 1
+    assert logged_since(log, 0, "Connection pool is full") == 2
