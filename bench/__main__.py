@@ -320,6 +320,12 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                 f"; in the operator's queue, runs that needed a JobSet waited p50 <= {_s(c['p50_at_most'])} s,"
                 f" p99 <= {_s(c['p99_at_most'])} s ({c['count']} takes)"
             )
+        busy = (o.get("operator_reconcile_to_all_jobsets") or {}).get("work=create")
+        if busy:  # results since 2026-12-05
+            reaction += (
+                f"; a worker took p50 <= {_s(busy['p50_at_most'])} s, p99 <= {_s(busy['p99_at_most'])} s"
+                " over each of those runs"
+            )
         lag = (o.get("operator_loop_lag_to_all_jobsets") or {}).get("")
         if lag:
             reaction += f"; its event loop ran late p50 <= {_s(lag['p50_at_most'])} s, p99 <= {_s(lag['p99_at_most'])} s"

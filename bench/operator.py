@@ -1117,6 +1117,10 @@ class Bench:
             "operator_loop_lag_to_all_jobsets": histogram_between(
                 metrics_before, metrics_after, "tpuft_event_loop_lag_seconds"
             ),
+            # ...and how long a worker was busy with each run it took (a create: render + POSTs).
+            "operator_reconcile_to_all_jobsets": histogram_between(
+                metrics_before, metrics_after, "tpuft_reconcile_duration_seconds"
+            ),
             # urllib3's "Connection pool is full": a call beyond the client's pool, whose connection
             # was closed after it (the next call pays a TLS handshake); from the burst to the end.
             "operator_connections_discarded": logged_since(

@@ -324,7 +324,7 @@ class Reconciler:
             return  # garbage collection removes what we made; nothing to do
         run = self.runs.of(finetune)
         started = time.perf_counter()
-        with run.lock, metrics.RECONCILE_SECONDS.time():
+        with run.lock:
             try:
                 self._reconcile(run, finetune, Seen(jobset, pods, nodes or {}, workload), event, log)
                 metrics.RECONCILES.labels(result="ok").inc()

@@ -359,6 +359,7 @@ class Runtime:
             return  # deleted meanwhile
         finetune = cast(kopf.Body, seen.finetune)
         logger = kopf.LocalObjectLogger(body=finetune, settings=self._kopf_settings)
+        creating, started = self.needs_jobset(seen.finetune), time.perf_counter()
         try:
             self.reconciler.reconcile(
                 seen.finetune,
@@ -376,6 +377,8 @@ class Runtime:
                 logger.warning("%s; retrying at the next resync", error)
             else:
                 logger.error("%s; a retry cannot fix this (check the operator's RBAC and the spec)", error)
+        finally:
+            metrics.observe_reconcile(time.perf_counter() - started, creating)
 
     async def _resync_forever(self) -> None:
         """A safety net instead of kopf timers (which would add a finalizer to every run)."""
