@@ -326,6 +326,12 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                 f"; a worker took p50 <= {_s(busy['p50_at_most'])} s, p99 <= {_s(busy['p99_at_most'])} s"
                 " over each of those runs"
             )
+        cpu = o["operator_process"].get("cpu_ms_per_run_to_all_jobsets")
+        if cpu is not None:  # results since 2026-12-05
+            reaction += f"; CPU until the last JobSet {cpu:.2f} ms/run"
+            controller_cpu = (watcher or {}).get("controller_cpu_ms_per_run_to_all_jobsets")
+            if controller_cpu is not None:
+                reaction += f", the watch-reaction controller's {controller_cpu:.2f}"
         lag = (o.get("operator_loop_lag_to_all_jobsets") or {}).get("")
         if lag:
             reaction += f"; its event loop ran late p50 <= {_s(lag['p50_at_most'])} s, p99 <= {_s(lag['p99_at_most'])} s"

@@ -260,6 +260,19 @@ def test_the_report_shows_the_watch_reaction_controller_where_it_ran() -> None:
     assert "operator/direct/zero-reaction/watched" in report
 
 
+def test_the_report_sets_the_operators_cpu_during_the_burst_beside_the_watch_reaction_controllers() -> None:
+    results = _with_fourth_phase(
+        json.loads((ROOT / "bench/results/operator-open-loop.json").read_text()), "watch-reaction"
+    )
+    for phase in results["phases"]:
+        if phase.get("round", 0) == 0 and phase["mode"] == "operator":
+            phase["operator_process"]["cpu_ms_per_run_to_all_jobsets"] = 2.5
+        if phase["mode"] == "watch-reaction":
+            phase["controller_cpu_ms_per_run_to_all_jobsets"] = 1.25
+    report = "\n".join(operator_report(results))
+    assert report.count("CPU until the last JobSet 2.50 ms/run, the watch-reaction controller's 1.25") == 2
+
+
 def test_the_report_still_reads_the_older_watched_zero_reaction_phase() -> None:
     path = ROOT / "bench/results/operator-open-loop.json"
     results = _with_fourth_phase(json.loads(path.read_text()), "zero-reaction-watched")
