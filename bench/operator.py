@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -835,6 +835,16 @@ class Bench:
     logs: Path
     threads: int = THREADS  # the client's: how many creates are in flight at once
 
+    @cached_property
+    def operator_api(self) -> client.ApiClient:
+        """A client acting as the operator's ServiceAccount, for the yardstick controllers.
+
+        Any controller runs as a ServiceAccount under RBAC, authenticated by its token; the client
+        is the cluster's admin (system:masters), whose requests skip authorization and are exempt
+        from API Priority and Fairness. Until 2026-12-05 the yardstick controllers ran as the admin
+        while the operator ran as its ServiceAccount."""
+        return api_client(self.operator_kubeconfig)
+
     def namespace(self, name: str) -> None:
         self.cluster.kubectl("create", "namespace", name)
 
@@ -875,10 +885,11 @@ class Bench:
         """A controller that takes no time at all, the operator stopped: the client's threads create
         the TPUFineTunes exactly as in the operator phase, and the moment the API server has stored
         one, its JobSet (rendered beforehand, the stored object's uid filled in) is sent from a pool
-        of as many threads as the operator has workers. The same arrivals, the same creates in
-        flight, no reaction: every controller pays what this phase pays (both creates, on the same API
-        server, in the same order) and more; the operator's latency is judged against it as well as
-        against the direct phase (`bench.__main__.zero_reaction_limit`).
+        of as many threads as the operator has workers, as the operator's ServiceAccount
+        (`operator_api`). The same arrivals, the same creates in flight, no reaction: every
+        controller pays what this phase pays (both creates, on the same API server, in the same
+        order) and more; the operator's latency is judged against it as well as against the direct
+        phase (`bench.__main__.zero_reaction_limit`).
 
         (Until 2026-12-03 each client thread created a TPUFineTune and then its JobSet before its next
         TPUFineTune: the arrivals slowed to the pace of the creates, so no run waited inside the API
@@ -897,7 +908,7 @@ class Bench:
                 dict[str, Any], custom.create_namespaced_custom_object(*finetunes, finetune(name, ns))
             )
             own = jobset.replace(PLACEHOLDER_UID, created["metadata"]["uid"])
-            create = partial(send_jobset, self.api, ns, own)
+            create = partial(send_jobset, self.operator_api, ns, own)
             reactions.append(controller.submit(retried, name, create, errors))
 
         items = [
@@ -915,15 +926,15 @@ class Bench:
 
     def watch_reaction(self, n: int) -> dict[str, Any]:
         """The least any controller can do, the operator stopped: another process holds the
-        operator's watches (`OperatorWatches`) and, the moment its TPUFineTune watch shows a run,
-        sends the run's JobSet (rendered beforehand) from a pool of as many threads as the operator
-        has workers. The client creates the TPUFineTunes exactly as in the operator phase. Unlike the
+        operator's watches (`OperatorWatches`), as the operator's ServiceAccount, and, the moment
+        its TPUFineTune watch shows a run, sends the run's JobSet (rendered beforehand) from a pool
+        of as many threads as the operator has workers. The client creates the TPUFineTunes exactly as in the operator phase. Unlike the
         zero-reaction controller it learns of a run as the operator must: from a watch event, after
         the API server has stored the TPUFineTune and fanned it out to its watchers."""
         ns = f"bench-watch-{n}"
         runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
         jobsets = {name: json.dumps(run.jobset) for name, run in zip(names(n), runs, strict=True)}
-        watches = OperatorWatches(self.cluster.kubeconfig, Reaction(ns, jobsets, operator_workers()))
+        watches = OperatorWatches(self.operator_kubeconfig, Reaction(ns, jobsets, operator_workers()))
         watches.start()
         try:
             idle = watches.cpu_seconds()
@@ -1238,6 +1249,8 @@ def main(
             "rounds": repeat,
             "cluster_per_phase": True,
             "client_watches": "jobsets and tpufinetunes, every phase",  # until 2026-12-05: both in the operator's only
+            # Until 2026-12-05 the yardstick controllers (zero-reaction, watch-reaction) ran as the admin.
+            "yardstick_controllers_as": "the operator's ServiceAccount",
             "phases": phases,
         }
         path = results_path(output, profile=profile)

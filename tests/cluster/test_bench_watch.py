@@ -2,7 +2,8 @@
 operator benchmark reports is taken where this watch sees an object, so it must see each one once,
 in order, across the reconnects its short timeout makes. And the benchmark's watch-reaction
 controller (`OperatorWatches` with a `Reaction`), the yardstick the operator is judged against: it
-must create each run's JobSet, owned by the run, from its watch alone."""
+must create each run's JobSet, owned by the run, from its watch alone, with the operator's
+credentials (its ServiceAccount's RBAC)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kubernetes import client
 
 from tests.cluster.test_api_on_cluster import crd  # noqa: F401  (the fixture: the committed CRD, served)
 from tpuft_dev.cluster.local import LocalCluster
+from tpuft_dev.cluster.operator_process import install_operator
 from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.render import RenderSettings, render_run
 
@@ -92,7 +94,9 @@ def test_the_watch_reaction_controller_creates_each_runs_jobset_from_its_watch(
     api = api_client(local_cluster.kubeconfig)
     custom = client.CustomObjectsApi(api)
     (fg, fv, fp), (jg, jv, jp) = FINETUNE.gvp, JOBSET.gvp
-    watches = OperatorWatches(local_cluster.kubeconfig, Reaction(namespace, jobsets, workers=2))
+    # As the benchmark runs it: with the operator's ServiceAccount and RBAC, as any controller would.
+    operator_kubeconfig = install_operator(local_cluster)
+    watches = OperatorWatches(operator_kubeconfig, Reaction(namespace, jobsets, workers=2))
     watches.start()
     try:
         uids = {
