@@ -17,9 +17,9 @@ a round favours none of them.
 3. *zero-reaction*, the operator stopped: a controller that takes no time at all. The client
    creates the TPUFineTunes as in the operator phase, and the moment each is stored its JobSet
    (rendered and encoded beforehand: `send_jobset`) is sent from a pool of as many threads as the
-   operator has workers: the same arrivals and creates in flight, no reaction. Every controller pays for both creates on the
-   same API server; the direct phase pays for the JobSets only, so on a CPU-bound API server it is
-   a limit no controller can reach.
+   operator has workers: the same arrivals and creates in flight, no reaction. Every controller
+   pays for both creates on the same API server; the direct phase pays for the JobSets only, so on
+   a CPU-bound API server it is a limit no controller can reach.
 4. *watch-reaction*, the operator stopped: the least any Kubernetes controller can do. Another
    process holds the watches the operator holds (`OperatorWatches`: TPUFineTunes, their JobSets and
    pods, the TPU nodes), decoding every event, and the moment its TPUFineTune watch shows a run it
@@ -559,6 +559,11 @@ def proc_usage(pid: int) -> dict[str, float]:
     }
 
 
+def ms_per_run(cpu_before: float, cpu_after: float, n: int) -> float:
+    """CPU milliseconds per run between two readings of a process' CPU seconds."""
+    return round(1000 * (cpu_after - cpu_before) / n, 2)
+
+
 def components_cpu(cluster: LocalCluster) -> dict[str, float]:
     """CPU seconds (user+system) so far of each of the cluster's processes (kube-apiserver, etcd, ...)."""
     used = {}
@@ -928,9 +933,10 @@ class Bench:
         """The least any controller can do, the operator stopped: another process holds the
         operator's watches (`OperatorWatches`), as the operator's ServiceAccount, and, the moment
         its TPUFineTune watch shows a run, sends the run's JobSet (rendered beforehand) from a pool
-        of as many threads as the operator has workers. The client creates the TPUFineTunes exactly as in the operator phase. Unlike the
-        zero-reaction controller it learns of a run as the operator must: from a watch event, after
-        the API server has stored the TPUFineTune and fanned it out to its watchers."""
+        of as many threads as the operator has workers. The client creates the TPUFineTunes exactly
+        as in the operator phase. Unlike the zero-reaction controller it learns of a run as the
+        operator must: from a watch event, after the API server has stored the TPUFineTune and
+        fanned it out to its watchers."""
         ns = f"bench-watch-{n}"
         runs = self._rendered(ns, n, uid=PLACEHOLDER_UID)
         jobsets = {name: json.dumps(run.jobset) for name, run in zip(names(n), runs, strict=True)}
@@ -940,9 +946,7 @@ class Bench:
             idle = watches.cpu_seconds()
             result = self._created_by_client("watch-reaction", ns, n, self.finetune_creates(ns, n))
             # Until its last JobSet, as the operator's `cpu_ms_per_run_to_all_jobsets`.
-            result["controller_cpu_ms_per_run_to_all_jobsets"] = round(
-                1000 * (watches.cpu_seconds() - idle) / n, 2
-            )
+            result["controller_cpu_ms_per_run_to_all_jobsets"] = ms_per_run(idle, watches.cpu_seconds(), n)
         finally:
             events, outcome = watches.stop()
         if outcome["failed"]:
@@ -1153,11 +1157,11 @@ class Bench:
                 "end": usage,
                 "peak_rss_mb": usage["peak_rss_mb"],
                 "cpu_seconds_under_load": round(usage["cpu_seconds"] - idle["cpu_seconds"], 2),
-                "cpu_ms_per_run": round(1000 * (usage["cpu_seconds"] - idle["cpu_seconds"]) / n, 2),
+                "cpu_ms_per_run": ms_per_run(idle["cpu_seconds"], usage["cpu_seconds"], n),
                 # From the burst's start to its last JobSet: what the machine's 2 CPUs gave the
                 # operator while the API server was creating (the watch-reaction controller's too).
-                "cpu_ms_per_run_to_all_jobsets": round(
-                    1000 * (at_jobsets["cpu_seconds"] - idle["cpu_seconds"]) / n, 2
+                "cpu_ms_per_run_to_all_jobsets": ms_per_run(
+                    idle["cpu_seconds"], at_jobsets["cpu_seconds"], n
                 ),
             },
         }
