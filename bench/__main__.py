@@ -274,7 +274,8 @@ def operator_report(results: dict[str, Any]) -> list[str]:
         "where create->JobSet goes, p50/p99 s (operator | direct | zero-reaction | watch-reaction, or before"
         " 2026-12-04 zero-reaction watched, where they ran):"
         " send -> JobSet POST at the apiserver;"
-        " the POST in the apiserver; POST done -> client's watch sees it"
+        " the POST in the apiserver; POST done -> client's watch sees it; JobSet stored -> the JobSet"
+        " controller's first Job POST (its watch and queue; results since 2026-12-05)"
     )
     for n, round_, mode in sorted(phases):
         if mode != "operator" or (n, round_, "direct") not in phases:
@@ -298,7 +299,12 @@ def operator_report(results: dict[str, Any]) -> list[str]:
             parts.append(
                 "; ".join(
                     _p50_p99(split[k])
-                    for k in ("send_to_jobset_post", "jobset_post_in_apiserver", "jobset_post_done_to_seen")
+                    for k in (
+                        "send_to_jobset_post",
+                        "jobset_post_in_apiserver",
+                        "jobset_post_done_to_seen",
+                        "jobset_stored_to_job_post",
+                    )
                     if k in split
                 )
             )

@@ -126,6 +126,9 @@ def test_the_latency_is_split_at_the_posts(tmp_path: Path) -> None:
                 "create", "jobsets", "r-0000",
                 requestReceivedTimestamp=stamp(base + 2.3), stageTimestamp=stamp(base + 2.8),
             ),
+            # The JobSet controller's Job, and the one it made again on a restart (not its reaction).
+            entry("create", "jobs", "r-0000-slice-0", user="jobset", requestReceivedTimestamp=stamp(base + 3.2)),
+            entry("create", "jobs", "r-0000-slice-0", user="jobset", requestReceivedTimestamp=stamp(base + 9.0)),
         ],
     )  # fmt: skip
     split = latency_breakdown(log, 0, "ns", {"r-0000": base}, {"r-0000": base + 3.0})
@@ -140,6 +143,7 @@ def test_the_latency_is_split_at_the_posts(tmp_path: Path) -> None:
     assert p50("send_to_finetune_post") == pytest.approx(0.1, abs=0.01)
     assert p50("finetune_post_in_apiserver") == pytest.approx(0.2, abs=0.01)
     assert p50("finetune_done_to_jobset_post") == pytest.approx(2.0, abs=0.01)
+    assert p50("jobset_stored_to_job_post") == pytest.approx(0.4, abs=0.01)  # the first Job's
     assert split["seconds_to_all_jobsets_stored"] == pytest.approx(2.8, abs=0.01)  # no watch's lag
 
 
