@@ -101,6 +101,11 @@ def _all_stored(phase: dict[str, Any]) -> float | None:
     return _split(phase).get("seconds_to_all_jobsets_stored")
 
 
+def _all_jobs(phase: dict[str, Any] | None) -> float | None:
+    """The first send -> the JobSet controller's last first-Job POST (results since 2026-12-05)."""
+    return _split(phase).get("seconds_to_all_jobs_posted") if phase is not None else None
+
+
 def _operator_errors(phase: dict[str, Any]) -> int:
     codes = phase["operator_api"]["by_code"]
     return sum(v for code, v in codes.items() if code in ("409", "429") or code.startswith("5"))
@@ -148,6 +153,13 @@ def round_figures(
         "watched_stored_p99": _stored_p99(watched) if watched else None,
         "stored_p99_to_watched": _ratio(_stored_p99(o), _stored_p99(watched)) if watched else None,
         "all_stored_to_watched": _ratio(_all_stored(o), _all_stored(watched)) if watched else None,
+        # When the JobSet controller had made every run's first Job: where users' pods begin,
+        # downstream of whichever controller made the JobSets.
+        "all_jobs": _all_jobs(o),
+        "watched_all_jobs": _all_jobs(watched),
+        "direct_all_jobs": _all_jobs(d),
+        "all_jobs_to_watched": _ratio(_all_jobs(o), _all_jobs(watched)),
+        "all_jobs_to_direct": _ratio(_all_jobs(o), _all_jobs(d)),
         "fastest": o["create_to_jobset"].get("min") or min(o["create_to_jobset_samples"], default=None),
         "writes_to_running": o["operator_api"]["writes_to_running_without_events_mean"],
         "rss_mb": o["operator_process"]["peak_rss_mb"],
@@ -408,6 +420,12 @@ def operator_report(results: dict[str, Any]) -> list[str]:
                     if all_stored is not None
                     else ""
                 )
+            )
+        if m["all_jobs"] is not None:
+            lines.append(
+                f"  {'':>{len(str(n)) + 2}} every run's first Job posted by the JobSet controller (where pods begin):"
+                f" {_s(m['all_jobs'])} s after the first create; {_s(m['all_jobs_to_watched'])}x the watch-reaction"
+                f" phase's ({_s(m['watched_all_jobs'])} s), {_s(m['all_jobs_to_direct'])}x direct ({_s(m['direct_all_jobs'])} s)"
             )
     return lines
 

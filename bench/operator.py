@@ -771,6 +771,11 @@ def latency_breakdown(
     controlled = [r for r in runs if r in jobs]
     if controlled:
         split["jobset_stored_to_job_post"] = percentiles([jobs[r][0] - jobsets[r][1] for r in controlled])
+        # The first send -> the JobSet controller's last first-Job POST: when every run's pods could
+        # start to be made, whoever made the JobSets.
+        split["seconds_to_all_jobs_posted"] = round(
+            max(jobs[r][0] for r in controlled) - min(sent.values(), default=0.0), 4
+        )
     runs = [r for r in runs if r in finetunes]
     if runs:
         split["send_to_finetune_post"] = percentiles([finetunes[r][0] - sent[r] for r in runs])

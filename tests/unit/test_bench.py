@@ -144,6 +144,7 @@ def test_the_latency_is_split_at_the_posts(tmp_path: Path) -> None:
     assert p50("finetune_post_in_apiserver") == pytest.approx(0.2, abs=0.01)
     assert p50("finetune_done_to_jobset_post") == pytest.approx(2.0, abs=0.01)
     assert p50("jobset_stored_to_job_post") == pytest.approx(0.4, abs=0.01)  # the first Job's
+    assert split["seconds_to_all_jobs_posted"] == pytest.approx(3.2, abs=0.01)
     assert split["seconds_to_all_jobsets_stored"] == pytest.approx(2.8, abs=0.01)  # no watch's lag
 
 
@@ -229,6 +230,26 @@ def test_the_controllers_are_also_compared_where_the_api_server_stored_each_jobs
     # Older results (no seconds_to_all_jobsets_stored): the p99 ratio only.
     older = {**watched, "latency_breakdown": {"send_to_jobset_stored": {"p50": 0.7, "p99": 1.5}}}
     assert round_figures(operator_phase, DIRECT, None, older)["all_stored_to_watched"] is None
+    assert figures["all_jobs"] is None  # results without the JobSet controller's Jobs
+
+
+def test_the_time_to_every_runs_first_job_is_compared_too() -> None:
+    """Where users' pods begin: the JobSet controller's last first-Job POST, phase against phase."""
+
+    def jobs_by(seconds: float) -> dict[str, Any]:
+        return {"send_to_jobset_stored": {"p50": 0.5, "p99": 1.0}, "seconds_to_all_jobs_posted": seconds}
+
+    operator_phase = {**an_operator_phase(**{"201": 9}), "latency_breakdown": jobs_by(27.0)}
+    watched = {
+        "create_to_jobset": {"p99": 3.0, "min": 0.3},
+        "seconds_to_all_jobsets": 5.0,
+        "latency_breakdown": jobs_by(25.0),
+    }
+    direct = {**DIRECT, "latency_breakdown": jobs_by(20.0)}
+    figures = round_figures(operator_phase, direct, None, watched)
+    assert figures["all_jobs"] == 27.0
+    assert figures["all_jobs_to_watched"] == pytest.approx(1.08)
+    assert figures["all_jobs_to_direct"] == pytest.approx(1.35)
 
 
 def _with_fourth_phase(results: dict[str, Any], mode: str) -> dict[str, Any]:
