@@ -784,6 +784,36 @@ def latency_breakdown(
     return split
 
 
+def wait_for_jobs(path: Path, offset: int, namespace: str, n: int, timeout: float = 300) -> int:
+    """Waits until the audit log, from ``offset``, shows a Job created for each of the ``n`` runs of
+    ``namespace`` (or ``timeout`` passes); returns how many runs have one. Reads on from where it
+    stopped: the log holds every create of the phase."""
+    runs: set[str] = set()
+    deadline = time.monotonic() + timeout
+    with path.open() as log:
+        log.seek(offset)
+        while len(runs) < n:
+            position = log.tell()
+            line = log.readline()
+            if not line.endswith("\n"):  # the end, or a line still being written: look again
+                if time.monotonic() > deadline:
+                    break
+                log.seek(position)
+                time.sleep(1.0)
+                continue
+            entry = json.loads(line)
+            ref = entry.get("objectRef") or {}
+            if (
+                entry["verb"] == "create"
+                and ref.get("resource") == "jobs"
+                and ref.get("namespace") == namespace
+                and (entry.get("responseStatus") or {}).get("code") == 201
+                and (match := RUN_NAME.match(ref.get("name") or ""))
+            ):
+                runs.add(match.group(1))
+    return len(runs)
+
+
 def logged_since(path: Path, offset: int, text: str) -> int:
     """The lines of log ``path`` past byte ``offset`` that contain ``text``."""
     with path.open("rb") as log:
@@ -825,7 +855,10 @@ class Burst:
     def figures(
         self, mode: str, cluster: LocalCluster, obs: Observations, codes_after: Counter[str]
     ) -> dict[str, Any]:
-        """What every phase reports: ``codes_after`` ends its span of API server responses."""
+        """What every phase reports: ``codes_after`` ends its span of API server responses. Waits
+        first for the JobSet controller to have posted every run's first Job (the yardstick phases
+        end at their last JobSet, long before that), so that every phase's Jobs are counted alike."""
+        jobs_posted = wait_for_jobs(cluster.layout.audit_log, self.audit_offset, self.namespace, self.n)
         latencies = [obs.jobset_seen[r] - self.sent[r] for r in self.sent if r in obs.jobset_seen]
         return {
             "mode": mode,
@@ -841,6 +874,7 @@ class Burst:
             "latency_breakdown": latency_breakdown(
                 cluster.layout.audit_log, self.audit_offset, self.namespace, self.sent, obs.jobset_seen
             ),
+            "runs_with_jobs": jobs_posted,
         }
 
 

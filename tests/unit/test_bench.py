@@ -7,6 +7,7 @@ and its lower bound decide what docs/benchmarks.md claims; these tests run them 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +24,7 @@ from bench.operator import (
     latency_breakdown,
     percentiles,
     phase_order,
+    wait_for_jobs,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,16 +242,23 @@ def test_the_time_to_every_runs_first_job_is_compared_too() -> None:
         return {"send_to_jobset_stored": {"p50": 0.5, "p99": 1.0}, "seconds_to_all_jobs_posted": seconds}
 
     operator_phase = {**an_operator_phase(**{"201": 9}), "latency_breakdown": jobs_by(27.0)}
+    n = 1000
+    operator_phase.update(n=n, runs_with_jobs=n)
     watched = {
+        "n": n,
         "create_to_jobset": {"p99": 3.0, "min": 0.3},
         "seconds_to_all_jobsets": 5.0,
         "latency_breakdown": jobs_by(25.0),
+        "runs_with_jobs": n,
     }
-    direct = {**DIRECT, "latency_breakdown": jobs_by(20.0)}
+    direct = {**DIRECT, "n": n, "latency_breakdown": jobs_by(20.0), "runs_with_jobs": n}
     figures = round_figures(operator_phase, direct, None, watched)
     assert figures["all_jobs"] == 27.0
     assert figures["all_jobs_to_watched"] == pytest.approx(1.08)
     assert figures["all_jobs_to_direct"] == pytest.approx(1.35)
+    # A phase read before every run had its Job (or results from before the wait): no figure.
+    cut_short = {**watched, "runs_with_jobs": n - 1}
+    assert round_figures(operator_phase, direct, None, cut_short)["all_jobs_to_watched"] is None
 
 
 def _with_fourth_phase(results: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -422,3 +431,33 @@ def test_log_lines_are_counted_from_where_the_phase_began(tmp_path: Path) -> Non
         more.write(b"created JobSet r-0001\nConnection pool is full, discarding connection: 127.0.0.1\n")
     assert logged_since(log, offset, "Connection pool is full") == 1
     assert logged_since(log, 0, "Connection pool is full") == 2
+
+
+def test_a_phase_waits_for_the_jobset_controllers_jobs_before_counting_them(tmp_path: Path) -> None:
+    """The yardstick phases end at their last JobSet, while the JobSet controller still makes Jobs:
+    their Jobs must be waited for, or their time to all Jobs is cut short."""
+    log = write_log(
+        tmp_path / "audit.log",
+        [
+            entry("create", "jobs", "r-0000-slice-0", user="jobset"),
+            {**entry("create", "jobs", "r-0001-slice-0", user="jobset"), "objectRef": {"resource": "jobs",
+             "namespace": "elsewhere", "name": "r-0001-slice-0"}},
+        ],
+    )  # fmt: skip
+    later = json.dumps(entry("create", "jobs", "r-0001-slice-0", user="jobset")) + "\n"
+
+    def the_controller_goes_on() -> None:
+        time.sleep(0.3)
+        with log.open("a") as out:  # a line written in two parts: read only once it is whole
+            out.write(later[:20])
+            out.flush()
+            time.sleep(1.5)
+            out.write(later[20:])
+
+    writer = threading.Thread(target=the_controller_goes_on)
+    writer.start()
+    assert wait_for_jobs(log, 0, "ns", 2, timeout=20) == 2
+    writer.join()
+    started = time.monotonic()
+    assert wait_for_jobs(log, 0, "ns", 3, timeout=1.0) == 2  # a run whose Job never came: gives up
+    assert time.monotonic() - started >= 1.0
