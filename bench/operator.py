@@ -723,8 +723,9 @@ def latency_breakdown(
     path: Path, offset: int, namespace: str, sent: dict[str, float], seen: dict[str, float]
 ) -> dict[str, Any]:
     """Per run: send -> JobSet POST received, the POST in the apiserver, POST done -> watch sees it,
-    JobSet stored -> the JobSet controller's first Job POST (its reaction); in the operator phase the first part is split at the TPUFineTune's POST (send -> received, in the
-    apiserver, done -> the operator's JobSet POST received: the operator's reaction)."""
+    JobSet stored -> the JobSet controller's first Job POST (its reaction); in the operator phase the
+    first part is split at the TPUFineTune's POST (send -> received, in the apiserver, done -> the
+    operator's JobSet POST received: the operator's reaction)."""
     posts: dict[str, dict[str, tuple[float, float]]] = {JOBSET.plural: {}, FINETUNE.plural: {}, "jobs": {}}
     offset_of_clocks = time.time() - time.monotonic()  # once: every stamp is converted alike
     with path.open() as log:
@@ -739,7 +740,8 @@ def latency_breakdown(
                 and (entry.get("responseStatus") or {}).get("code") == 201
             ):
                 match = RUN_NAME.match(ref.get("name") or "")
-                # A run's first Job only: the JobSet controller recreates them on a restart.
+                # A run's first create of each kind only (the JobSet controller makes a run's Jobs
+                # again when it restarts them).
                 if match and match.group(1) not in posts[ref["resource"]]:
                     posts[ref["resource"]][match.group(1)] = (
                         _audit_time(entry["requestReceivedTimestamp"], offset_of_clocks),
