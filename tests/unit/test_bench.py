@@ -436,14 +436,11 @@ def test_log_lines_are_counted_from_where_the_phase_began(tmp_path: Path) -> Non
 def test_a_phase_waits_for_the_jobset_controllers_jobs_before_counting_them(tmp_path: Path) -> None:
     """The yardstick phases end at their last JobSet, while the JobSet controller still makes Jobs:
     their Jobs must be waited for, or their time to all Jobs is cut short."""
+    elsewhere = entry("create", "jobs", "r-0002-slice-0", user="jobset")
+    elsewhere["objectRef"]["namespace"] = "elsewhere"  # another phase's run: never counted
     log = write_log(
-        tmp_path / "audit.log",
-        [
-            entry("create", "jobs", "r-0000-slice-0", user="jobset"),
-            {**entry("create", "jobs", "r-0001-slice-0", user="jobset"), "objectRef": {"resource": "jobs",
-             "namespace": "elsewhere", "name": "r-0001-slice-0"}},
-        ],
-    )  # fmt: skip
+        tmp_path / "audit.log", [entry("create", "jobs", "r-0000-slice-0", user="jobset"), elsewhere]
+    )
     later = json.dumps(entry("create", "jobs", "r-0001-slice-0", user="jobset")) + "\n"
 
     def the_controller_goes_on() -> None:
