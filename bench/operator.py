@@ -719,6 +719,20 @@ def _audit_time(stamp: str, wall_minus_monotonic: float) -> float:
     return datetime.fromisoformat(stamp).timestamp() - wall_minus_monotonic
 
 
+def run_created(entry: dict[str, Any], namespace: str) -> tuple[str, str] | None:
+    """(resource, run) when audit ``entry`` is a successful create of one of the benchmark's runs'
+    objects in ``namespace`` (its name starts with the run's), else None."""
+    ref = entry.get("objectRef") or {}
+    if (
+        entry["verb"] != "create"
+        or ref.get("namespace") != namespace
+        or (entry.get("responseStatus") or {}).get("code") != 201
+    ):
+        return None
+    match = RUN_NAME.match(ref.get("name") or "")
+    return (str(ref.get("resource")), match.group(1)) if match else None
+
+
 def latency_breakdown(
     path: Path, offset: int, namespace: str, sent: dict[str, float], seen: dict[str, float]
 ) -> dict[str, Any]:
@@ -732,21 +746,14 @@ def latency_breakdown(
         log.seek(offset)
         for line in log:
             entry = json.loads(line)
-            ref = entry.get("objectRef") or {}
-            if (
-                entry["verb"] == "create"
-                and ref.get("resource") in posts
-                and ref.get("namespace") == namespace
-                and (entry.get("responseStatus") or {}).get("code") == 201
-            ):
-                match = RUN_NAME.match(ref.get("name") or "")
-                # A run's first create of each kind only (the JobSet controller makes a run's Jobs
-                # again when it restarts them).
-                if match and match.group(1) not in posts[ref["resource"]]:
-                    posts[ref["resource"]][match.group(1)] = (
-                        _audit_time(entry["requestReceivedTimestamp"], offset_of_clocks),
-                        _audit_time(entry["stageTimestamp"], offset_of_clocks),
-                    )
+            created = run_created(entry, namespace)
+            # A run's first create of each kind only (the JobSet controller makes a run's Jobs
+            # again when it restarts them).
+            if created is not None and created[0] in posts and created[1] not in posts[created[0]]:
+                posts[created[0]][created[1]] = (
+                    _audit_time(entry["requestReceivedTimestamp"], offset_of_clocks),
+                    _audit_time(entry["stageTimestamp"], offset_of_clocks),
+                )
     jobsets, finetunes, jobs = posts[JOBSET.plural], posts[FINETUNE.plural], posts["jobs"]
     runs = [r for r in jobsets if r in sent and r in seen]
     # A POST received before it was sent: the wall clock was stepped (NTP) between the phase and
@@ -803,16 +810,9 @@ def wait_for_jobs(path: Path, offset: int, namespace: str, n: int, timeout: floa
                 log.seek(position)
                 time.sleep(1.0)
                 continue
-            entry = json.loads(line)
-            ref = entry.get("objectRef") or {}
-            if (
-                entry["verb"] == "create"
-                and ref.get("resource") == "jobs"
-                and ref.get("namespace") == namespace
-                and (entry.get("responseStatus") or {}).get("code") == 201
-                and (match := RUN_NAME.match(ref.get("name") or ""))
-            ):
-                runs.add(match.group(1))
+            created = run_created(json.loads(line), namespace)
+            if created is not None and created[0] == "jobs":
+                runs.add(created[1])
     return len(runs)
 
 
