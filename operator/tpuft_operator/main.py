@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 from tpuft_operator.api.resources import JOBSET, NODE, POD, WORKLOAD
 from tpuft_operator.handlers import build_registry
 from tpuft_operator.k8s import Api, load_client
+from tpuft_operator.pacing import WritePace
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.runtime import Runtime, api_connections
@@ -141,18 +142,22 @@ def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSetti
 
 def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
     """The runtime (queue, workers, resync) and the Reconciler it feeds, which asks it for deferred
-    reconciles: what the handlers reach through kopf's memo."""
+    reconciles: what the handlers reach through kopf's memo. Both take their status patches and
+    Events in turn from one write pace (pacing.py)."""
+    pace = WritePace(settings.write_qps, settings.write_burst)
     runtime = Runtime(
         workers=settings.workers,
         resync_seconds=settings.resync_seconds,
         watches=Watches(settings.namespaces, nodes=settings.watch_nodes, workloads=settings.watch_workloads),
         post_event=api.post_event,
+        pace=pace,
     )
     reconciler = Reconciler(
         api=api,
         render_settings=settings.render_settings(),
         policy=settings.admin_policy(),
         defer=runtime.defer,
+        pace=pace,
         status_settle_seconds=settings.status_settle_seconds,
         goodput_interval_seconds=settings.goodput_interval_seconds,
     )

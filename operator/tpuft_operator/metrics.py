@@ -54,6 +54,19 @@ EVENT_LOOP_LAG_SECONDS = Histogram(
     "event waits about this long before it marks its run.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+WRITE_PACE_SECONDS = Histogram(
+    "tpuft_write_pace_wait_seconds",
+    "How long a status patch (write=status) or an Event (write=event) waited for its turn under "
+    "--write-qps (pacing.py): 0 unless a burst of writes outran the pace.",
+    ["write"],
+    buckets=(0, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120),
+)
+
+
+def observe_write_pace(write: str, seconds: float) -> None:
+    WRITE_PACE_SECONDS.labels(write=write).observe(seconds)
+
+
 RUNS = Gauge("tpuft_runs", "TPUFineTunes known to the operator, by phase.", ["phase"])
 GOODPUT = Gauge(
     "tpuft_run_goodput_ratio",

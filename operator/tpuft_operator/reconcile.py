@@ -23,6 +23,7 @@ from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse_run
 from tpuft_operator.goodput import parse_time
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
+from tpuft_operator.pacing import WritePace
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
 from tpuft_operator.render.identity import namespace_objects
 from tpuft_operator.runs import RefusalCheck, Render, RunBook, RunState
@@ -273,6 +274,8 @@ class Reconciler:
     defer: Callable[[tuple[str, str], float], None] = lambda key, delay: None
     # A run's first status waits this long after its JobSet is created (see `_settling`).
     status_settle_seconds: float = 0.0
+    # The pace of status patches, shared with the Events (pacing.py); by default no limit.
+    pace: WritePace = field(default_factory=lambda: WritePace(0, 1))
     # Least report time between two refreshes of a running run's status.goodput (goodput.py).
     goodput_interval_seconds: float = 60.0
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
@@ -531,7 +534,7 @@ class Reconciler:
         log: Log,
     ) -> None:
         """Derives the status from what was observed and done, patches it when it differs (unless the
-        first status is settling), posts the Events of its transitions, and asks a checkpoint of the
+        first status is settling, or its turn under the write pace has not come: pacing.py), posts the Events of its transitions, and asks a checkpoint of the
         pods on a node that announces maintenance."""
         shape, jobset, pods, nodes = desired.shape, seen.jobset, seen.pods, seen.nodes
         derived = derive_status(
@@ -558,10 +561,12 @@ class Reconciler:
             self._request_checkpoints(finetune, current_pods(pods, jobset), nodes, log)
         current: Obj = finetune.get("status") or {}
         patch = status_patch(current, derived)
-        settle = self._settling(run, derived, current) if patch is not None else 0.0
-        if settle > 0:
-            self._defer(run, settle)  # the next reconcile writes whatever is true by then
-        elif patch is not None:
+        if patch is None:
+            run.write_turn = None
+        elif (wait := self._settling(run, derived, current) or self._turn(run)) > 0:
+            self._defer(run, wait)  # the reconcile then writes whatever is true by then
+            return
+        else:
             max_restarts = (finetune.get("spec") or {}).get("maxRestarts")
             restart = self._announce_restart(current, derived, patch, log, max_restarts=max_restarts)
             namespace, name = run.key
@@ -571,6 +576,16 @@ class Reconciler:
                 event(restart[0], "JobSetRestarted", restart[1])
         if derived["phase"] in TERMINAL_PHASES:
             run.finished()
+
+    def _turn(self, run: RunState) -> float:
+        """Seconds until the run's turn to patch its status comes (pacing.py); 0: write now."""
+        if run.write_turn is None:
+            run.write_turn = self.pace.reserve()
+            metrics.observe_write_pace("status", self.pace.due_in(run.write_turn))
+        wait = self.pace.due_in(run.write_turn)
+        if wait <= 0:
+            run.write_turn = None
+        return wait
 
     def _defer(self, run: RunState, delay: float) -> None:
         if run.wants_wakeup(delay):

@@ -61,6 +61,9 @@ class RunState:
     render: Render | None = None
     render_generation: int = -1
     refusal: RefusalCheck | None = None
+    # The run's turn for its next status patch (pacing.WritePace.reserve), taken when a patch had to
+    # wait for it and kept until the patch is written or no longer needed.
+    write_turn: float | None = None
     # When a deferred reconcile of the run is due (monotonic), so that two reasons to look again at
     # about the same time (status settling, a refusal check) ask for one reconcile, not two.
     wakeup_due: float | None = None

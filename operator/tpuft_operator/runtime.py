@@ -29,6 +29,7 @@ import kopf
 
 from tpuft_operator import maintenance, metrics, queueing
 from tpuft_operator.k8s import ApiError, controller_uid
+from tpuft_operator.pacing import WritePace
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.render.naming import label_value
@@ -148,12 +149,15 @@ class EventPoster:
         limit: int = 10_000,
         wait_quiet: Callable[[float], object] = lambda seconds: True,
         hold_seconds: float = EVENT_HOLD_SECONDS,
+        pace: WritePace | None = None,
     ) -> None:
         """``wait_quiet(seconds)``: returns when JobSets are no longer being created, or after
         ``seconds`` (`WorkQueue.wait_quiet`). A Normal Event waits for it, at most ``hold_seconds``
         after it happened: its POST would compete with the creates. Warnings (a recreated JobSet, a
-        refusal, a failure) are posted at once."""
+        refusal, a failure) are posted at once. ``pace``: the write pace each post takes its turn in
+        (pacing.py), shared with the status patches."""
         self._post = post
+        self._pace = pace or WritePace(0, 1)
         self._wait_quiet, self._hold = wait_quiet, hold_seconds
         self._threads = threads
         self._held: queue.Queue[EventItem | None] = queue.Queue(limit)
@@ -193,6 +197,7 @@ class EventPoster:
     def _run(self) -> None:
         while (item := self._ready.get()) is not None:
             try:
+                metrics.observe_write_pace("event", self._pace.wait())
                 self._post(*item)
             except Exception:  # best effort: an Event is never worth a dead poster
                 _log.exception("posting the %s Event of %s failed", item[2], _name(item[0]))
@@ -223,12 +228,14 @@ class Runtime:
         resync_seconds: float,
         watches: Watches | None = None,
         post_event: PostEvent = lambda obj, type_, reason, message, at: None,
+        pace: WritePace | None = None,
     ) -> None:
+        """``pace``: the write pace of the Events (pacing.py); hand the Reconciler the same one."""
         self.workers = workers
         self.resync_seconds = resync_seconds
         self.watches = watches or Watches()
         self.queue = WorkQueue(waited=metrics.observe_queue_wait)
-        self.events = EventPoster(post_event, wait_quiet=self.queue.wait_quiet)
+        self.events = EventPoster(post_event, wait_quiet=self.queue.wait_quiet, pace=pace)
         w = self.watches
         self.views = Views(w.finetunes, w.jobsets, w.pods, w.nodes, w.workloads)
         self.reconciler: Reconciler | None = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tpuft_operator.api.policy import DEFAULT_MAX_CHIPS, DEFAULT_VOLUME_TYPES, AdminPolicy
+from tpuft_operator.pacing import DEFAULT_WRITE_BURST, DEFAULT_WRITE_QPS
 from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, RenderSettings
 
 
@@ -69,6 +70,19 @@ class OperatorSettings:
         32,
         "Reconciles that run at once (threads; they mostly wait on the API server).",
         "TPUFT_WORKERS",
+    )
+    # Defaults: see docs/benchmarks.md ("Pacing the operator's writes"), where they were measured.
+    write_qps: float = _setting(
+        DEFAULT_WRITE_QPS,
+        "Status patches and Events per second, on average (a token bucket, like client-go's QPS): after "
+        "a burst of new runs the API server keeps room for the JobSet controller to make their Jobs. "
+        "JobSet creates, suspends and checkpoint requests are never paced. 0: no limit.",
+        "TPUFT_WRITE_QPS",
+    )
+    write_burst: int = _setting(
+        DEFAULT_WRITE_BURST,
+        "Status patches and Events sent at once after a quiet spell, before --write-qps paces them.",
+        "TPUFT_WRITE_BURST",
     )
     progress_interval_seconds: float = _setting(
         10.0,

@@ -209,6 +209,8 @@ def test_helm_lint(helm: Helm) -> None:
         (["--set", "logleve=DEBUG"], "additional properties 'logleve' not allowed"),
         (["--set", "workers=0"], "at '/workers'"),
         (["--set", "statusSettleSeconds=-1"], "at '/statusSettleSeconds'"),
+        (["--set", "writeQps=-5"], "at '/writeQps'"),
+        (["--set", "writeBurst=0"], "at '/writeBurst'"),
         (["--set", "policy.allowedVolumeTypes={hostpath}"], "at '/policy/allowedVolumeTypes/0'"),
         (["--set", "policy.maxChipsPerRun=-1"], "at '/policy/maxChipsPerRun'"),
         (["--set", "policy.allowedEnv={HF ENDPOINT}"], "at '/policy/allowedEnv/0'"),
@@ -246,13 +248,14 @@ def test_rendered_deployment_is_restricted_single_and_probed(helm: Helm) -> None
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["TPUFT_NAMESPACES"] == "" and env["TPUFT_LOG_LEVEL"] == "INFO"
     # The chart's defaults are the operator's own (settings.py), passed explicitly.
-    assert {
-        k: float(env[k]) for k in ("TPUFT_WORKERS", "TPUFT_STATUS_SETTLE_SECONDS", "TPUFT_RESYNC_SECONDS")
-    } == {
+    defaults = {
         "TPUFT_WORKERS": OperatorSettings.workers,
         "TPUFT_STATUS_SETTLE_SECONDS": OperatorSettings.status_settle_seconds,
         "TPUFT_RESYNC_SECONDS": OperatorSettings.resync_seconds,
+        "TPUFT_WRITE_QPS": OperatorSettings.write_qps,
+        "TPUFT_WRITE_BURST": OperatorSettings.write_burst,
     }
+    assert {k: float(env[k]) for k in defaults} == defaults
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 8080, "health": 8081}
     assert pod["serviceAccountName"] == "tpuft"
     assert not by_kind(objects, "ServiceMonitor") and not by_kind(objects, "Role")

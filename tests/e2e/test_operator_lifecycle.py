@@ -281,6 +281,45 @@ def test_operator_sigkilled_mid_creation_makes_exactly_one_jobset_per_run(
     assert found == names
 
 
+def test_paced_status_and_events_catch_up_and_jobsets_never_wait(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    """--write-qps paces status patches and Events (pacing.py), never JobSet creates. Under one write
+    a second, four runs applied at once all get their JobSet at once, and every status and Event
+    still arrives, in its turn (the operator's metrics show the waits)."""
+    saved = dict(operator.settings)
+    operator.stop()
+    operator.settings.update(TPUFT_WRITE_QPS="1", TPUFT_WRITE_BURST="1")
+    try:
+        operator.start()
+        names = [f"paced-{i}" for i in range(4)]
+        hold = kwok.hold_running("120s")
+        local_cluster.apply([finetune(n, namespace, pod_annotations=hold) for n in names])
+        # Four JobSetCreated Events alone take four seconds of turns; the JobSets do not wait for them.
+        wait_for(lambda: len(jobsets(local_cluster, namespace)) == 4, timeout=15, what="4 JobSets")
+        for name in names:
+            wait_phase(local_cluster, namespace, name, "Running", timeout=120)
+            wait_for(
+                lambda name=name: (
+                    {"JobSetCreated", "Running"} <= {r for r, _ in events(local_cluster, namespace, name)}
+                ),
+                timeout=60,
+                what=f"{name}'s JobSetCreated and Running Events",
+            )
+        waited = {
+            write: float(line.split()[-1])
+            for line in operator.metrics().splitlines()
+            for write in ("status", "event")
+            if line.startswith(f'tpuft_write_pace_wait_seconds_sum{{write="{write}"}}')
+        }
+        assert waited["status"] > 0 and waited["event"] > 0, waited
+    finally:
+        operator.stop()
+        operator.settings.clear()
+        operator.settings.update(saved)
+        operator.start()
+
+
 def test_operator_permissions_are_the_charts(local_cluster: LocalCluster, operator: OperatorProcess) -> None:
     who = f"--as=system:serviceaccount:{OPERATOR_NAMESPACE}:{SERVICE_ACCOUNT}"
 

@@ -18,6 +18,7 @@ import pytest
 from tests.unit.test_status import NOW, finetune, jobset, pod
 from tpuft_operator import reconcile
 from tpuft_operator.k8s import ApiError
+from tpuft_operator.pacing import WritePace
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
 from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION
@@ -626,3 +627,46 @@ def test_a_failed_account_create_is_reported_and_sent_again_by_the_next_reconcil
     assert api.calls.count(("failed", "ServiceAccount")) == 1
     assert api.calls.count(("ensure", "ServiceAccount")) == 1
     assert api.calls.count(("create", "JobSet")) == 1
+
+
+def paced_reconciler(api: RecordingApi, clock: list[float]) -> tuple[Reconciler, list[float]]:
+    """A reconciler whose status patches take turns in a pace of one write a second, on ``clock``."""
+    deferred: list[float] = []
+    r = Reconciler(
+        api=api,  # type: ignore[arg-type]
+        render_settings=RenderSettings(),
+        defer=lambda key, delay: deferred.append(delay),
+        pace=WritePace(1, 1, clock=lambda: clock[0]),
+    )
+    return r, deferred
+
+
+def test_a_status_patch_waits_its_turn_without_holding_the_worker_and_the_jobset_does_not() -> None:
+    api, clock = RecordingApi(), [1000.0]
+    r, deferred = paced_reconciler(api, clock)
+    r.pace.reserve()  # another run's write took the only token
+    r.reconcile(new_run(), None, [], event=Events())
+    # The JobSet is created at once; the status patch is not written, and the reconcile returned
+    # asking to be run again when the turn comes (a worker never sleeps on the pace).
+    assert [c for c in api.writes() if c[0] != "ensure"] == [("create", "JobSet")]
+    assert deferred == [reconcile.REFUSAL_CHECK_AFTER, 1.0]  # the look at missing pods, and the turn
+    clock[0] += 0.4  # an event of the run before its turn: still not written, and no new turn taken
+    r.reconcile(new_run(), None, [], event=Events())
+    assert not [c for c in api.calls if c[0] == "status"]
+    clock[0] += 0.6  # the deferred reconcile: its turn has come
+    r.reconcile(new_run(), None, [], event=Events())
+    assert [c for c in api.calls if c[0] == "status"] == [("status", "Pending")]
+    assert round(r.pace.waiting(), 9) == 0  # exactly one turn used by the run: none handed out ahead
+
+
+def test_a_paced_patch_writes_what_is_true_when_its_turn_comes() -> None:
+    """A status that changed while it waited is written once, as it is then (Running, not Pending)."""
+    api, clock = RecordingApi(), [1000.0]
+    r, _ = paced_reconciler(api, clock)
+    r.pace.reserve()
+    r.reconcile(new_run(), None, [], event=Events())
+    clock[0] += 1.0
+    events = Events()
+    r.reconcile(new_run(), None, running_pods(), event=events)
+    assert [c for c in api.calls if c[0] == "status"] == [("status", "Running")]
+    assert events.posted == ["Running"]

@@ -434,3 +434,30 @@ def test_every_thread_that_calls_the_api_at_once_finds_a_kept_connection(
         server.shutdown()
     assert not arrived.broken
     assert not [r for r in caplog.records if "Connection pool is full" in r.getMessage()]
+
+
+def test_events_take_turns_in_the_write_pace() -> None:
+    """EventPoster posts each Event in its turn of the pace it shares with the status patches: four
+    Events at once under one write a tenth of a second, one at a time after the first."""
+    from datetime import datetime
+
+    from tpuft_operator.pacing import WritePace
+    from tpuft_operator.runtime import EventPoster
+
+    posted: list[float] = []
+
+    def post(obj: Any, type_: str, reason: str, message: str, at: datetime) -> None:
+        posted.append(time.monotonic())
+
+    pace = WritePace(10, 1)
+    poster = EventPoster(post, threads=4, pace=pace)
+    poster.start()
+    for reason in "ABCD":
+        poster(finetune("run", "u-1"), "Warning", reason, "")  # Warnings: not held for a burst
+    deadline = time.monotonic() + 10
+    while len(posted) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    poster.stop()
+    assert len(posted) == 4
+    # Three turns of 0.1 s after the free first one (a lower bound: a slow machine only adds to it).
+    assert max(posted) - min(posted) >= 0.3 - 0.02
