@@ -4,6 +4,7 @@ python -m bench                              # the operator at N=100, 300, 1000,
 python -m bench operator --n 100 300 1000    # one part (options: python -m bench operator -h)
 python -m bench trainer
 python -m bench kopf-path                    # one watch event's cost: kopf's per-object path vs watches.py
+python -m bench pace --n 1000              # the operator's write pace: what it buys (pods sooner) and costs
 python -m bench goodput --steps 1200         # a real run, undisrupted vs suspended, SIGKILLed, maintained
 python -m bench report                       # the table and the plot from bench/results/*.json
 """
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import dpo, goodput, kopf_path, operator, recipes, trainer
+from bench import dpo, goodput, kopf_path, operator, pace, recipes, trainer
 
 # Issue 18's targets, at every N (each figure: the median of the rounds).
 TARGET_P99_TO_LIMIT = 1.2  # p99 create -> JobSet, as a multiple of the limit (`creation_limit`)
@@ -484,6 +485,9 @@ def report(operator_results: Path = operator.RESULTS) -> None:
     if operator.PACED_RESULTS.exists():
         print()
         print("\n".join(paced_report(json.loads(operator.PACED_RESULTS.read_text()))))
+    if pace.RESULTS.exists():
+        print()
+        print("\n".join(pace.report(json.loads(pace.RESULTS.read_text()))))
     if kopf_path.RESULTS.exists():
         print()
         print("\n".join(kopf_path.report(json.loads(kopf_path.RESULTS.read_text()))))
@@ -505,10 +509,13 @@ def report(operator_results: Path = operator.RESULTS) -> None:
 
 def main(argv: list[str]) -> None:
     part, rest = (argv[0], argv[1:]) if argv else ("all", [])
-    if part not in ("all", "kopf-path", "operator", "trainer", "goodput", "report"):
+    if part not in ("all", "kopf-path", "operator", "pace", "trainer", "goodput", "report"):
         raise SystemExit(
-            f"unknown benchmark {part!r}: kopf-path, operator, trainer, goodput or report (none: all)"
+            f"unknown benchmark {part!r}: kopf-path, operator, pace, trainer, goodput or report (none: all)"
         )
+    if part == "pace":  # a comparison of the operator's settings, not part of `all`
+        pace.cli(rest)
+        return
     if part in ("all", "kopf-path"):
         kopf_path.main()
     operator_results = Path(rest[0]) if part == "report" and rest else operator.RESULTS

@@ -65,7 +65,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -465,6 +465,7 @@ class Observations:
 
     jobset_seen: dict[str, float] = field(default_factory=dict)
     jobset_completed: dict[str, float] = field(default_factory=dict)
+    first_status: dict[str, float] = field(default_factory=dict)  # the run's first phase, any
     running: dict[str, float] = field(default_factory=dict)
     succeeded: dict[str, float] = field(default_factory=dict)
 
@@ -479,10 +480,28 @@ class Observations:
     def finetune_event(self, type_: str, obj: dict[str, Any], at: float) -> None:
         phase = (obj.get("status") or {}).get("phase")
         name = obj["metadata"]["name"]
+        if phase:
+            self.first_status.setdefault(name, at)
         if phase == Phase.RUNNING:
             self.running.setdefault(name, at)
         elif phase == Phase.SUCCEEDED:
             self.succeeded.setdefault(name, at)
+
+
+def status_lag(sent: Mapping[str, float], obs: Observations, started: float) -> dict[str, Any]:
+    """Per run, from its create to the client seeing its first status and its status Running, and
+    from the first create to the last run's Running."""
+    first = [obs.first_status[r] - sent[r] for r in sent if r in obs.first_status]
+    running = [obs.running[r] - sent[r] for r in sent if r in obs.running]
+    return {
+        "create_to_first_status": percentiles(first),
+        "create_to_running": percentiles(running),
+        "seconds_to_all_running": (
+            round(max(obs.running[r] for r in sent) - started, 2)
+            if all(r in obs.running for r in sent)
+            else None
+        ),
+    }
 
 
 def retried(name: str, create: Callable[[], Any], errors: Counter[int]) -> None:
@@ -1168,6 +1187,7 @@ class Bench:
         all_succeeded = max(obs.succeeded.values(), default=burst.started) - burst.started
         time.sleep(3)  # late writes (events) land in the audit log
         usage = proc_usage(pid)
+        metrics_end = process.metrics()
         codes_after = apiserver_codes(self.cluster)
         for watcher in watchers:
             watcher.stop()
@@ -1180,12 +1200,20 @@ class Bench:
             "jobset_completed_to_succeeded": percentiles(to_succeeded),
             "jobset_completed_to_succeeded_samples": [round(v, 4) for v in sorted(to_succeeded)],
             "runs_seen_running": len(obs.running),
+            # What users see of the burst (the client's TPUFineTune watch): a status at all, and
+            # Running (the JobSet controller's Jobs, their pods, and the operator's status write).
+            **status_lag(burst.sent, obs, burst.started),
             "runs_succeeded": len(obs.succeeded),
             "operator_api": audit_requests(audit_log, burst.audit_offset, n),
             # Until the last JobSet (the operator's /metrics): how long runs waited for a worker, and
             # how late the event loop that reads the watches ran.
             "operator_queue_wait_to_all_jobsets": histogram_between(
                 metrics_before, metrics_after, "tpuft_workqueue_queue_duration_seconds"
+            ),
+            # From the burst to the end: how long status patches and Events waited for their turn
+            # under the operator's write pace (--write-qps; pacing.py).
+            "operator_write_pace_wait": histogram_between(
+                metrics_before, metrics_end, "tpuft_write_pace_wait_seconds"
             ),
             "operator_loop_lag_to_all_jobsets": histogram_between(
                 metrics_before, metrics_after, "tpuft_event_loop_lag_seconds"

@@ -458,3 +458,71 @@ def test_a_phase_waits_for_the_jobset_controllers_jobs_before_counting_them(tmp_
     started = time.monotonic()
     assert wait_for_jobs(log, 0, "ns", 3, timeout=1.0) == 2  # a run whose Job never came: gives up
     assert time.monotonic() - started >= 1.0
+
+
+def test_status_lag_is_measured_from_each_runs_create_and_all_running_only_when_every_run_got_there() -> None:
+    from bench.operator import Observations, status_lag
+
+    sent = {"r-0000": 10.0, "r-0001": 11.0}
+    obs = Observations()
+    obs.finetune_event("MODIFIED", {"metadata": {"name": "r-0000"}, "status": {}}, 10.5)  # no phase yet
+    obs.finetune_event("MODIFIED", {"metadata": {"name": "r-0000"}, "status": {"phase": "Pending"}}, 12.0)
+    obs.finetune_event("MODIFIED", {"metadata": {"name": "r-0000"}, "status": {"phase": "Running"}}, 14.0)
+    obs.finetune_event("MODIFIED", {"metadata": {"name": "r-0001"}, "status": {"phase": "Running"}}, 13.0)
+    lag = status_lag(sent, obs, started=10.0)
+    assert lag["create_to_first_status"]["min"] == 2.0 and lag["create_to_first_status"]["max"] == 2.0
+    assert sorted([lag["create_to_running"]["min"], lag["create_to_running"]["max"]]) == [2.0, 4.0]
+    assert lag["seconds_to_all_running"] == 4.0
+    sent["r-0002"] = 12.0  # a run never seen Running: no time to all of them
+    assert status_lag(sent, obs, started=10.0)["seconds_to_all_running"] is None
+
+
+def pace_phase(qps: float, round_: int, first_jobs: float, running_p50: float) -> dict[str, Any]:
+    return {
+        "n": 1000,
+        "write_qps": qps,
+        "round": round_,
+        "seconds_to_all_jobsets": 10.0,
+        "create_to_jobset": {"p99": 2.0},
+        "latency_breakdown": {
+            "seconds_to_all_jobs_posted": first_jobs,
+            "jobset_stored_to_job_post": {"p50": 5},
+        },
+        "create_to_first_status": {"p50": 3.0, "p99": 9.0},
+        "create_to_running": {"p50": running_p50, "p99": 40.0},
+        "seconds_to_all_running": 50.0,
+        "seconds_to_all_succeeded": 300.0,
+        "operator_api": {"writes_per_run": 7.0},
+        "operator_process": {"cpu_ms_per_run": 22.0},
+    }
+
+
+def test_the_pace_benchmark_alternates_its_order_and_reports_medians_against_no_pace() -> None:
+    from bench import pace
+
+    assert pace.order([0, 50], 0) == [0, 50] and pace.order([0, 50], 1) == [50, 0]
+    results = {
+        "phases": [
+            pace_phase(0, 0, 60.0, 30.0),
+            pace_phase(50, 0, 30.0, 20.0),
+            pace_phase(50, 1, 40.0, 24.0),
+            pace_phase(0, 1, 50.0, 34.0),
+        ]
+    }
+    table = pace.medians(results)
+    assert table[0.0]["every run's first Job s"] == 55.0 and table[50.0]["every run's first Job s"] == 35.0
+    assert table[50.0]["rounds"] == 2
+    text = "\n".join(pace.report(results))
+    assert "TPUFT_WRITE_QPS=50 against no pace: every run's first Job 0.64x, Running p50 0.69x" in text
+    assert "medians of 2, 2 rounds per pace" in text
+
+
+def test_the_pace_benchmark_sets_the_pace_only_for_the_operators_it_starts() -> None:
+    import os
+
+    from bench import pace
+
+    os.environ.pop(pace.QPS_ENV, None)
+    with pace.environment(pace.QPS_ENV, "0"):
+        assert os.environ[pace.QPS_ENV] == "0"
+    assert pace.QPS_ENV not in os.environ
