@@ -7,7 +7,9 @@ a round falls on both alike. Per pace, the medians over the rounds of:
 
 - what it buys: when the JobSet controller had made every run's first Job (where pods begin), and
   each JobSet's wait for it;
-- what it costs: when users see a status at all, and Running (the client's TPUFineTune watch);
+- what it costs: when users see a status at all, and Running (the client's TPUFineTune watch; at
+  N=1000 the runs also wait for the 300 node pools, so Running is mostly that wait), and how late
+  a run is reported Succeeded after its JobSet completed;
 - and that JobSets themselves are not slowed (create -> JobSet, time to all JobSets).
 """
 
@@ -109,6 +111,14 @@ FIGURES: list[tuple[str, Callable[[dict[str, Any]], float | None]]] = [
     ("Running p99 s", lambda p: _get(p, "create_to_running", "p99")),
     ("all Running s", lambda p: _get(p, "seconds_to_all_running")),
     ("all Succeeded s", lambda p: _get(p, "seconds_to_all_succeeded")),
+    # The status's own lag: the JobSet Completed (the client's JobSet watch) -> the run Succeeded.
+    ("JobSet done->Succ p50 s", lambda p: _get(p, "jobset_completed_to_succeeded", "p50")),
+    ("JobSet done->Succ p99 s", lambda p: _get(p, "jobset_completed_to_succeeded", "p99")),
+    (
+        "status pace wait p99 <= s",
+        lambda p: _get(p, "operator_write_pace_wait", "write=status", "p99_at_most"),
+    ),
+    ("Event pace wait p99 <= s", lambda p: _get(p, "operator_write_pace_wait", "write=event", "p99_at_most")),
     ("writes/run", lambda p: _get(p, "operator_api", "writes_per_run")),
     ("CPU ms/run", lambda p: _get(p, "operator_process", "cpu_ms_per_run")),
 ]
@@ -160,6 +170,7 @@ def report(results: dict[str, Any]) -> list[str]:
                 f" Running p50 {_ratio(row['Running p50 s'], base['Running p50 s'])}x,"
                 f" all Running {_ratio(row['all Running s'], base['all Running s'])}x,"
                 f" first status p50 {_ratio(row['first status p50 s'], base['first status p50 s'])}x,"
+                f" JobSet done->Succeeded p99 {_ratio(row['JobSet done->Succ p99 s'], base['JobSet done->Succ p99 s'])}x,"
                 f" all JobSets {_ratio(row['all JobSets s'], base['all JobSets s'])}x"
             )
     return lines
