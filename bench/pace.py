@@ -33,8 +33,8 @@ QPS_ENV = "TPUFT_WRITE_QPS"
 
 
 def default_paces() -> list[float]:
-    """No pace, and the operator's default."""
-    return [0.0, OperatorSettings().write_qps]
+    """No pace (the operator's default), and two paces measured on 2026-12-05."""
+    return sorted({0.0, OperatorSettings().write_qps, 20.0, 50.0})
 
 
 def order(paces: Sequence[float], round_: int) -> list[float]:
@@ -192,7 +192,7 @@ def cli(argv: Sequence[str] | None = None) -> None:
         type=float,
         nargs="+",
         default=default_paces(),
-        help="write paces to compare (TPUFT_WRITE_QPS; 0: no pace; default: 0 and the operator's default)",
+        help="write paces to compare (TPUFT_WRITE_QPS; 0: no pace; default: 0 20 50)",
     )
     parser.add_argument(
         "--rounds", type=int, default=2, help="rounds per pace, alternating order (default 2)"

@@ -71,12 +71,13 @@ class OperatorSettings:
         "Reconciles that run at once (threads; they mostly wait on the API server).",
         "TPUFT_WORKERS",
     )
-    # Defaults: see docs/benchmarks.md ("Pacing the operator's writes"), where they were measured.
+    # Off by default: see pacing.py and docs/benchmarks.md for what each pace bought and cost.
     write_qps: float = _setting(
         DEFAULT_WRITE_QPS,
-        "Status patches and Events per second, on average (a token bucket, like client-go's QPS): after "
-        "a burst of new runs the API server keeps room for the JobSet controller to make their Jobs. "
-        "JobSet creates, suspends and checkpoint requests are never paced. 0: no limit.",
+        "Status patches and Events per second, on average (a token bucket, like client-go's QPS), to cap "
+        "the operator's share of a busy API server. JobSet creates, suspends and checkpoint requests are "
+        "never paced; statuses and Events arrive later under a burst (below ~6 x the runs a second it "
+        "follows, it falls behind). 0: no limit.",
         "TPUFT_WRITE_QPS",
     )
     write_burst: int = _setting(
