@@ -267,36 +267,25 @@ def test_invalid_spec_past_the_crd_fails_with_the_field(
     assert ft_get(local_cluster, namespace, "bad-mount")["metadata"]["resourceVersion"] == generation_before
 
 
-def test_operator_sigkilled_mid_creation_makes_exactly_one_jobset_per_run(
-    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
-) -> None:
-    names = [f"burst-{i}" for i in range(6)]
-    local_cluster.apply([finetune(n, namespace, pod_annotations=HOLD_RUNNING) for n in names])
-    time.sleep(0.5)
-    operator.kill()
-    operator.start()
-    for name in names:
-        wait_phase(local_cluster, namespace, name, "Running", timeout=120)
-    found = sorted(j["metadata"]["name"] for j in jobsets(local_cluster, namespace))
-    assert found == names
-
-
 def test_paced_status_and_events_catch_up_and_jobsets_never_wait(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
 ) -> None:
     """--write-qps paces status patches and Events (pacing.py), never JobSet creates. Under one write
-    a second, four runs applied at once all get their JobSet at once, and every status and Event
-    still arrives, in its turn (the operator's metrics show the waits)."""
+    a second, three runs applied at once (a pool each) all get their JobSet at once, and every status
+    and Event still arrives, in its turn (the operator's metrics show the waits). Placed before the
+    SIGKILL test, which restarts the operator again and makes the runs test_metrics_and_health reads."""
+    for _ in range(2):  # v5p_pool is the first of three
+        local_cluster.add_nodepool("v5p", "2x2x2", prefix=unique("v5p"))
     saved = dict(operator.settings)
     operator.stop()
     operator.settings.update(TPUFT_WRITE_QPS="1", TPUFT_WRITE_BURST="1")
     try:
         operator.start()
-        names = [f"paced-{i}" for i in range(4)]
+        names = [f"paced-{i}" for i in range(3)]
         hold = kwok.hold_running("120s")
         local_cluster.apply([finetune(n, namespace, pod_annotations=hold) for n in names])
-        # Four JobSetCreated Events alone take four seconds of turns; the JobSets do not wait for them.
-        wait_for(lambda: len(jobsets(local_cluster, namespace)) == 4, timeout=15, what="4 JobSets")
+        # Three JobSetCreated Events alone take three seconds of turns; the JobSets do not wait for them.
+        wait_for(lambda: len(jobsets(local_cluster, namespace)) == 3, timeout=15, what="3 JobSets")
         for name in names:
             wait_phase(local_cluster, namespace, name, "Running", timeout=120)
             wait_for(
@@ -318,6 +307,20 @@ def test_paced_status_and_events_catch_up_and_jobsets_never_wait(
         operator.settings.clear()
         operator.settings.update(saved)
         operator.start()
+
+
+def test_operator_sigkilled_mid_creation_makes_exactly_one_jobset_per_run(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
+) -> None:
+    names = [f"burst-{i}" for i in range(6)]
+    local_cluster.apply([finetune(n, namespace, pod_annotations=HOLD_RUNNING) for n in names])
+    time.sleep(0.5)
+    operator.kill()
+    operator.start()
+    for name in names:
+        wait_phase(local_cluster, namespace, name, "Running", timeout=120)
+    found = sorted(j["metadata"]["name"] for j in jobsets(local_cluster, namespace))
+    assert found == names
 
 
 def test_operator_permissions_are_the_charts(local_cluster: LocalCluster, operator: OperatorProcess) -> None:
