@@ -1,11 +1,10 @@
 """The pace of the operator's non-urgent writes: a token bucket, as client-go gives every Go controller.
 
-A burst of new runs makes the operator write, right after their JobSets, a first status for each and
-then their Events: in the benchmark at N=1000, 978 status patches in 7 s and then 849 Events in 4 s.
-The JobSet controller, which must now make every JobSet's Jobs (one JobSet at a time, several API
-calls each), shares the API server with those writes, and made 2-3 Jobs a second while they went on
-against 30-45 once they stopped (docs/benchmarks.md): users' pods waited on the operator's
-bookkeeping. Pacing those writes leaves the API server room for the work users wait for.
+For an admin who wants to cap the operator's share of a busy API server (`--write-qps`, off by
+default). It was built to leave the JobSet controller room after a burst of runs: at N=1000 the
+operator wrote 978 first statuses in 7 s and then 849 Events in 4 s while the JobSet controller made
+2-3 Jobs a second (30-45 once they stopped). Measured, pacing them bought little and cost status lag
+(below; docs/benchmarks.md): the JobSet controller is slowed by the API server's load as a whole.
 
 What is paced: status patches and Events. What never is: JobSet creates (and the objects a run needs
 with them), suspend and resume, Kueue holds, checkpoint requests to pods: each is the thing a user
@@ -25,8 +24,8 @@ from collections.abc import Callable
 
 # Off by default, as measured (`python -m bench pace`, docs/benchmarks.md): after a burst of 1000 runs
 # on the 2-CPU benchmark machine a pace of 50 writes a second bought the JobSet controller nothing
-# and delayed first statuses by 3.5 s; 20 a second had every run's first Job 9-14% sooner, but
-# first statuses 2.4x (p50) to 3.9x (p99) later, 7% of the runs never shown Running (their pods had
+# and delayed first statuses by 3.2 s (p50); 20 a second had every run's first Job 10-14% sooner, but
+# first statuses 2.4x (p50) to 3.8x (p99) later, 7% of the runs never shown Running (their pods had
 # finished before their turn), and Succeeded up to 30 s late (p99). The operator writes ~6 times per
 # run (3 status patches, 3 Events): a pace below ~6 x the runs a second it must follow falls behind.
 # For an admin who wants to cap the operator's share of a busy API server; APF already keeps it fair.
@@ -74,11 +73,3 @@ class WritePace:
         if delay > 0:
             sleep(delay)
         return delay
-
-    def waiting(self) -> float:
-        """How far ahead the last turn handed out lies, in seconds (0: writes go at once now)."""
-        if not self.limited:
-            return 0.0
-        with self._lock:
-            tokens = min(self.burst, self._tokens + (self._clock() - self._refilled) * self.rate)
-        return max(0.0, -tokens / self.rate)

@@ -534,8 +534,9 @@ class Reconciler:
         log: Log,
     ) -> None:
         """Derives the status from what was observed and done, patches it when it differs (unless the
-        first status is settling, or its turn under the write pace has not come: pacing.py), posts the Events of its transitions, and asks a checkpoint of the
-        pods on a node that announces maintenance."""
+        first status is settling, or its turn under the write pace has not come: pacing.py), posts
+        the Events of its transitions, and asks a checkpoint of the pods on a node that announces
+        maintenance."""
         shape, jobset, pods, nodes = desired.shape, seen.jobset, seen.pods, seen.nodes
         derived = derive_status(
             Observed(

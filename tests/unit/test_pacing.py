@@ -20,7 +20,6 @@ def test_a_burst_goes_at_once_then_turns_come_at_the_rate() -> None:
     pace = WritePace(10, 3, clock=clock)
     turns = [round(pace.reserve() - clock.now, 9) for _ in range(6)]
     assert turns == [0, 0, 0, 0.1, 0.2, 0.3]
-    assert round(pace.waiting(), 9) == 0.3
 
 
 def test_a_quiet_spell_refills_the_bucket_up_to_the_burst_only() -> None:
@@ -48,7 +47,6 @@ def test_without_a_rate_every_turn_is_now() -> None:
     pace = WritePace(0, 1, clock=clock)
     assert not pace.limited
     assert {pace.reserve() for _ in range(1000)} == {clock.now}
-    assert pace.waiting() == 0
 
 
 def test_wait_sleeps_until_its_turn() -> None:
