@@ -344,11 +344,19 @@ def test_operator_permissions_are_the_charts(local_cluster: LocalCluster, operat
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
 
 
-def test_metrics_and_health(local_cluster: LocalCluster, operator: OperatorProcess) -> None:
+def test_metrics_and_health(local_cluster: LocalCluster, operator: OperatorProcess, namespace: str) -> None:
+    # A run of its own: the operator may have been restarted by the tests above after their creates
+    # (the SIGKILL test's operator can find all its burst's JobSets made by the one it replaced).
+    local_cluster.apply([finetune("metered", namespace)])
+    wait_for(
+        lambda: ft_get(local_cluster, namespace, "metered").get("status", {}).get("phase"),
+        timeout=60,
+        what="a status of run metered",
+    )
     text = operator.metrics()
     assert "tpuft_reconciles_total" in text
     assert 'tpuft_runs{phase="Running"}' in text
-    # The runs of the tests above waited for a worker to create their JobSets, and for status work.
+    # The run waited for a worker to create its JobSet, and for status work.
     assert 'tpuft_workqueue_queue_duration_seconds_count{work="create"}' in text
     assert 'tpuft_workqueue_queue_duration_seconds_count{work="other"}' in text
     # ...and their reconciles, those that created a JobSet apart from the rest.
