@@ -906,6 +906,9 @@ class Bench:
     operator_kubeconfig: Path
     logs: Path
     threads: int = THREADS  # the client's: how many creates are in flight at once
+    # Settings (TPUFT_* environment variables) of the operator processes this bench starts, beyond
+    # its defaults: what `python -m bench pace` varies.
+    operator_settings: Mapping[str, str] = field(default_factory=dict)
 
     @cached_property
     def operator_api(self) -> client.ApiClient:
@@ -1110,7 +1113,7 @@ class Bench:
         process = OperatorProcess(
             self.operator_kubeconfig,
             self.logs / log_name,
-            TPUFT_TRAINER_IMAGE=TRAINER_IMAGE,
+            **{"TPUFT_TRAINER_IMAGE": TRAINER_IMAGE, **self.operator_settings},
         )
         process.start()
         # /healthz answers before kopf's watches are open (its first list can even get a 429 while
@@ -1271,6 +1274,37 @@ def start_cluster(log: Callable[[str], None]) -> LocalCluster:
     return cluster
 
 
+# The operator logs of every phase, kept after the cluster is torn down.
+LOGS = Path(tempfile.gettempdir()) / "tpuft-bench"
+
+
+def fresh_phase(
+    mode: str,
+    n: int,
+    *,
+    threads: int = THREADS,
+    profile: Path | None = None,
+    keep_cluster: bool = False,
+    operator_settings: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """One phase (`PHASES`) of N runs on a fresh `bench` cluster of its own (`start_cluster`), torn
+    down after it unless ``keep_cluster``."""
+    cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
+    try:
+        bench = Bench(
+            cluster,
+            api_client(cluster.kubeconfig),
+            install_operator(cluster),
+            LOGS,
+            threads,
+            dict(operator_settings or {}),
+        )
+        return bench.phase(mode, n, profile=profile)
+    finally:
+        if not keep_cluster:
+            cluster.down()
+
+
 def load_average() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
@@ -1291,7 +1325,6 @@ def main(
     # sizes instead of spoiling one; the report takes the median of the rounds per N.
     plan = [(round_, n) for round_ in range(repeat) for n in sizes]
     results: dict[str, Any] = {}
-    logs = Path(tempfile.gettempdir()) / "tpuft-bench"  # the operator logs, kept after `down`
     for round_, n in plan:
         order = phase_order(round_)
         for position, mode in enumerate(order):
@@ -1299,21 +1332,13 @@ def main(
                 f">> N={n}, round {round_ + 1} of {repeat}, phase {position + 1} of {len(order)}: {DESCRIBED[mode]},"
                 f" on a fresh cluster with {POOLS} v5e 2x2 node pools"
             )
-            cluster = start_cluster(lambda line: print(f"   [cluster] {line}"))
             last = (round_, n) == plan[-1] and position == len(order) - 1
-            try:
-                bench = Bench(
-                    cluster, api_client(cluster.kubeconfig), install_operator(cluster), logs, threads
-                )
-                spy = (
-                    RESULTS.parent / f"operator-profile-{n}.speedscope.json"
-                    if profile and mode == "operator" and n == max(sizes) and round_ == 0
-                    else None
-                )
-                result = bench.phase(mode, n, profile=spy)
-            finally:
-                if not (keep_cluster and last):
-                    cluster.down()
+            spy = (
+                RESULTS.parent / f"operator-profile-{n}.speedscope.json"
+                if profile and mode == "operator" and n == max(sizes) and round_ == 0
+                else None
+            )
+            result = fresh_phase(mode, n, threads=threads, profile=spy, keep_cluster=keep_cluster and last)
             result["round"], result["position"] = round_, position
             phases.append(result)
         by_mode = {p["mode"]: p for p in phases if p["n"] == n and p["round"] == round_}

@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,40 +40,13 @@ def order(paces: Sequence[float], round_: int) -> list[float]:
     return list(paces) if round_ % 2 == 0 else list(reversed(paces))
 
 
-@contextmanager
-def environment(name: str, value: str) -> Iterator[None]:
-    """``name`` set to ``value`` for the operator processes started meanwhile (they inherit it)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def main(n: int, paces: Sequence[float], rounds: int, output: Path = RESULTS) -> dict[str, Any]:
     phases: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
-    logs = Path(tempfile.gettempdir()) / "tpuft-bench"  # the operator logs, kept after `down`
     for round_ in range(rounds):
         for position, qps in enumerate(order(paces, round_)):
             print(f">> N={n}, round {round_ + 1} of {rounds}: the operator with {QPS_ENV}={qps:g}")
-            cluster = bench_operator.start_cluster(lambda line: print(f"   [cluster] {line}"))
-            try:
-                with environment(QPS_ENV, f"{qps:g}"):
-                    bench = bench_operator.Bench(
-                        cluster,
-                        bench_operator.api_client(cluster.kubeconfig),
-                        bench_operator.install_operator(cluster),
-                        logs,
-                        bench_operator.THREADS,
-                    )
-                    result = bench.phase("operator", n)
-            finally:
-                cluster.down()
+            result = bench_operator.fresh_phase("operator", n, operator_settings={QPS_ENV: f"{qps:g}"})
             result.update(write_qps=qps, round=round_, position=position)
             phases.append(result)
             print("   " + "; ".join(f"{label} {value}" for label, value in headline(result)))

@@ -359,7 +359,7 @@ def test_metrics_and_health(local_cluster: LocalCluster, operator: OperatorProce
     # The run waited for a worker to create its JobSet, and for status work.
     assert 'tpuft_workqueue_queue_duration_seconds_count{work="create"}' in text
     assert 'tpuft_workqueue_queue_duration_seconds_count{work="other"}' in text
-    # ...and their reconciles, those that created a JobSet apart from the rest.
+    # ...and its reconciles, the one that created its JobSet apart from the rest.
     assert 'tpuft_reconcile_duration_seconds_count{work="create"}' in text
     assert 'tpuft_reconcile_duration_seconds_count{work="other"}' in text
     assert operator.alive()

@@ -517,14 +517,3 @@ def test_the_pace_benchmark_alternates_its_order_and_reports_medians_against_no_
     assert "TPUFT_WRITE_QPS=50 against no pace: every run's first Job 0.64x, first status p50 1.00x" in text
     assert "runs never shown Running 0.50 (0.50)" in text  # the median of 0 and 1
     assert "medians of 2, 2 rounds per pace" in text
-
-
-def test_the_pace_benchmark_sets_the_pace_only_for_the_operators_it_starts() -> None:
-    import os
-
-    from bench import pace
-
-    os.environ.pop(pace.QPS_ENV, None)
-    with pace.environment(pace.QPS_ENV, "0"):
-        assert os.environ[pace.QPS_ENV] == "0"
-    assert pace.QPS_ENV not in os.environ
