@@ -55,7 +55,8 @@ class OperatorSettings:
     resync_seconds: float = _setting(
         30.0,
         "Every unfinished run is re-reconciled this often even without events: the safety net that "
-        "retries a failed API call and heals a missed event.",
+        "retries a failed API call and heals a missed event. One due during a burst of JobSet creates "
+        "waits for its end (at most another period).",
         "TPUFT_RESYNC_SECONDS",
     )
     status_settle_seconds: float = _setting(

@@ -12,6 +12,9 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
+from tpuft_operator import workqueue
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render import RenderSettings
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
@@ -112,6 +115,28 @@ def test_a_deleted_jobset_is_urgent_and_forgotten_as_the_run_s_jobset() -> None:
     runtime.on_jobset("DELETED", "ns", "run", {FINETUNE_LABEL: "run"})
     assert state.jobset is None
     assert runtime.queue.get() == ("ns", "run")
+
+
+def test_a_resync_waits_for_the_end_of_a_burst_of_creates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mid-burst, marking every run would set the reconciles of runs that have their JobSet against
+    # the creates; the resync comes once no run needs its JobSet (at most a resync period later).
+    monkeypatch.setattr(workqueue, "QUIET_SECONDS", 0.01)
+    running, new = finetune("running", "u-1", phase="Running"), finetune("new", "u-2")
+    runtime = runtime_with(running, new, jobsets=(jobset("running", "u-1"),))
+    runtime.resync_seconds = 1.0
+
+    async def scenario() -> None:
+        runtime.queue.add(("ns", "new"), urgent=True)  # a run waits for its JobSet: a burst
+        assert runtime.queue.get() == ("ns", "new")  # a worker creates it...
+        resyncs = asyncio.create_task(runtime._resync_forever())
+        await asyncio.sleep(1.3)  # the resync was due at 1.0
+        assert len(runtime.queue) == 0
+        runtime.queue.done(("ns", "new"))  # ...and is done: the burst is over
+        await asyncio.sleep(0.3)  # well before the resync's bound (2.0)
+        resyncs.cancel()
+        assert drain(runtime) == [("ns", "new"), ("ns", "running")]
+
+    asyncio.run(scenario())
 
 
 def test_the_resync_marks_unfinished_runs_and_drops_the_state_of_runs_that_are_gone() -> None:
