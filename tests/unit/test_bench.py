@@ -495,6 +495,7 @@ def pace_phase(qps: float, round_: int, first_jobs: float, running_p50: float) -
         "operator_api": {"writes_per_run": 7.0},
         "runs_seen_running": 1000 - round_,
         "operator_process": {"cpu_ms_per_run": 22.0},
+        "operator_reconcile_to_all_jobsets": {"work=other": {"count": 100 + 1000 * round_}},
     }
 
 
@@ -513,6 +514,7 @@ def test_the_pace_benchmark_alternates_its_order_and_reports_medians_against_no_
     table = pace.medians(results)
     assert table[0.0]["every run's first Job s"] == 55.0 and table[50.0]["every run's first Job s"] == 35.0
     assert table[50.0]["rounds"] == 2
+    assert table[50.0]["other reconciles in burst"] == 600  # 100 and 1100
     text = "\n".join(pace.report(results))
     assert "TPUFT_WRITE_QPS=50 against no pace: every run's first Job 0.64x, first status p50 1.00x" in text
     assert "runs never shown Running 0.50 (0.50)" in text  # the median of 0 and 1
