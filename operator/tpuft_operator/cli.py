@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "tpuft_operator.render.cli:render",
         "Print the objects the operator would create for a TPUFineTune.",
     ),
-    "plan": ("tpuft_operator.plan_cli:plan", "Show a TPUFineTune's TPU shape, mesh and memory per chip."),
+    "plan": ("tpuft_operator.plan_cli:plan", "Show a TPUFineTune's TPU shape, mesh, HBM and host RAM needs."),
     "operator": ("tpuft_operator.main:operator", "Run the operator (reconciles TPUFineTunes into JobSets)."),
     "train": ("tpuft_trainer.cli:train", "Run the FSDPv2 training core from a rendered configuration."),
 }

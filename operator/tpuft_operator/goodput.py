@@ -1,15 +1,20 @@
 """status.goodput: productive training time against wall time since creation. Pure.
 
 The trainer's rank 0 reports its attempt (one start of the run's pods) in ``status.progress``: when
-its process started, when its first step was done, which step it resumed from, how long its saves
-took (tpuft_trainer/attempt.py). The operator keeps one record per attempt in
-``status.goodput.attempts`` and derives the rest from them, the run's creation time and the pods'
-start times:
+its process started, when its first step was done, which step it resumed from, how long training
+waited for its saves (``checkpointSeconds``) and how long they took to write
+(``checkpointWriteSeconds``; tpuft_trainer/attempt.py). Saves are asynchronous: a periodic save
+blocks training only while each host copies its shards to host memory, and writes them in the
+background while training goes on; a stop's save (SIGTERM) is synchronous and blocks in full. So
+only the blocked time is lost; the write time is kept in the attempt's record for information. The
+operator keeps one record per attempt in ``status.goodput.attempts`` and derives the rest from them,
+the run's creation time and the pods' start times:
 
     wall       = creation -> asOf (the last report, or completion)
     waiting    = creation -> the first attempt's pod start (capacity, Kueue admission, scheduling)
     startup    = pod start -> first step, every attempt (image, model load, compilation)
-    checkpoint = the saves, every attempt (and the final save after the last report of a success)
+    checkpoint = time training waited for saves, every attempt (and the final save after the last
+                 report of a success)
     redone     = the steps an attempt did past the checkpoint the next attempt resumed from
     gaps       = one attempt's last report -> the next one's pod start (restarts, suspension)
     productive = wall - all of the above
@@ -63,8 +68,12 @@ def _attempt_from(progress: Obj, pod_start: datetime | None) -> dict[str, Any] |
         "endTime": _stamp(max(end, start)),
         "resumedFromStep": int(report.get("resumedFromStep") or 0),
         "lastStep": int(progress.get("step") or 0),
+        # Blocked time only (the staging copy; a stop's save in full): what goodput counts as lost.
         "checkpointSeconds": round(float(report.get("checkpointSeconds") or 0.0), 2),
     }
+    written = report.get("checkpointWriteSeconds")
+    if isinstance(written, (int, float)):  # informational: the writes overlap training
+        record["checkpointWriteSeconds"] = round(float(written), 2)
     # The pod started before the trainer's process (image pull, container start): start-up counts
     # from there. A pod start after the trainer's is another attempt's pod; ignore it.
     if pod_start is not None and pod_start <= start:
@@ -80,7 +89,7 @@ def _refreshed(stored: Obj, fresh: Obj, *, interval: float, force: bool) -> bool
     if force or stored.get("firstStepTime") != fresh.get("firstStepTime"):
         return True
     if stored.get("checkpointSeconds") != fresh.get("checkpointSeconds"):
-        return True  # a save happened: rare, and it decides a bucket
+        return True  # a save blocked training: rare, and it decides a bucket (a write alone does not)
     return _seconds(parse_time(fresh["endTime"]), parse_time(stored.get("endTime"))) >= interval
 
 
@@ -146,7 +155,7 @@ def derive_goodput(
         start, end = _start(attempt), parse_time(attempt.get("endTime"))
         first = parse_time(attempt.get("firstStepTime")) or end
         lost["startupSeconds"] += _seconds(first, start)
-        saves = float(attempt.get("checkpointSeconds") or 0.0)
+        saves = float(attempt.get("checkpointSeconds") or 0.0)  # blocked; the writes overlapped steps
         lost["checkpointSeconds"] += saves
         if i + 1 < len(attempts):
             following = attempts[i + 1]

@@ -25,6 +25,26 @@ log-probabilities in tiles of positions, never the whole logits: the logits line
 Not counted (hence a 10% headroom): XLA's temporary buffers and fragmentation, the runtime itself,
 tensor-parallel sharding of activations (which would only lower the estimate). The numbers are an
 estimate to choose a shape with; the trainer exits with OUT_OF_MEMORY (78) if reality disagrees.
+
+Host memory, per host (TPU VM), against the RAM of its machine type (topology.py's catalog). The
+trainer saves sharded, asynchronous torch.distributed.checkpoint checkpoints: each host copies only
+its own chips' shards of the weights and optimizer state to RAM (training waits for that copy) and
+writes them in the background, one save in flight at a time; it loads the model by slice onto the
+sharded devices and exports it in groups of at most 1 GiB. So a host holds at most:
+
+- save: its share of a checkpoint (`checkpoint_bytes`: the saved weights, every weight for `full`
+  and the adapters for `lora`, + the optimizer state of the trainable weights), i.e. the checkpoint
+  / (fsdp x tensor) x the chips of the host that hold distinct shards (replicas across the data and
+  DCN axes are written once, by the lowest rank holding them);
+- load: the largest tensor of the model (the embedding or LM head, vocab x hidden; an MLP matrix if
+  larger), whole: a conservative bound on what the sliced loader holds at once;
+- export: one gather group, EXPORT_GROUP_BYTES;
+
+on top of RUNTIME_HOST_GIB, an allowance for the Python runtime, torch_xla and libtpu, and the
+tokenised dataset. peak = runtime + max(load, save, export). `host_ram_refusal` is the same estimate
+for a spec whose model is in KNOWN_MODELS: validation (api/validation.py) refuses such a spec on
+spec.tpu.topology when the peak exceeds the host's RAM (HBM is never a reason to refuse: that
+estimate is too rough to block a run).
 """
 
 from __future__ import annotations
@@ -32,11 +52,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tpuft_operator.api.models import TPUFineTune
+from tpuft_operator.api.models import TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import SliceShape, resolve
 
 GIB = 1024**3
 HEADROOM = 0.10  # fraction of HBM left for XLA workspace, fragmentation and the runtime
+# Host RAM a trainer process needs besides the checkpoint, load and export buffers: the Python
+# runtime, torch_xla and libtpu, the tokenised dataset. An allowance, not a measurement of a TPU host;
+# the trainer's side may refine it.
+RUNTIME_HOST_GIB = 12
+EXPORT_GROUP_BYTES = GIB  # the final export streams the weights in gather groups of at most this
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Mistral, Qwen2 and Gemma
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -273,6 +298,46 @@ class MemoryLine:
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    """Host RAM of one host (TPU VM) at its peak, and the checkpoint it is derived from (bytes)."""
+
+    checkpoint_bytes: float  # written per checkpoint, all hosts together
+    weights_bytes: float  # of which the saved weights (the rest: optimizer state)
+    shard: int  # fsdp x tensor: the ways each tensor is split
+    chips_holding: int  # the host's chips holding distinct shards: min(chips per host, shard)
+    load_bytes: float  # the largest tensor of the model, in the model dtype
+    largest_tensor: str  # what it is, for the reader
+    export_bytes: float
+    runtime_bytes: float
+    ram_bytes: int  # the machine type's RAM
+    machine_type: str
+
+    @property
+    def per_host_bytes(self) -> float:
+        """The checkpoint bytes one host writes: its chips' distinct shards."""
+        return self.checkpoint_bytes / self.shard * self.chips_holding
+
+    @property
+    def save_bytes(self) -> float:
+        """What a host stages in RAM at each save (one save in flight: one staging copy)."""
+        return self.per_host_bytes
+
+    @property
+    def phase(self) -> str:
+        """Which of load, save and export needs the most: "save", "load" or "export"."""
+        needs = {"save": self.save_bytes, "load": self.load_bytes, "export": self.export_bytes}
+        return max(needs, key=lambda name: needs[name])
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.runtime_bytes + max(self.load_bytes, self.save_bytes, self.export_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.ram_bytes
+
+
+@dataclass(frozen=True)
 class Plan:
     name: str
     shape: SliceShape
@@ -282,6 +347,7 @@ class Plan:
     trainable_params: int
     lines: list[MemoryLine]
     hbm_bytes: int
+    host: HostMemory  # host RAM per host, against the machine type's
     notes: list[str] = field(default_factory=list)
     global_batch: int = 0  # sequences per optimizer step (accumulation included)
     flops_per_token: float = 0.0
@@ -332,26 +398,124 @@ def lora_trainable(
     return total, notes
 
 
+def mesh_axes(spec: TPUFineTuneSpec, shape: SliceShape) -> tuple[int, int, int, int]:
+    """(fsdp, tensor, data, dcn): the mesh's axis sizes within a slice (ICI) and across slices."""
+    mesh_spec = spec.fsdp.mesh
+    tensor = mesh_spec.tensor if mesh_spec else 1
+    data = mesh_spec.data if mesh_spec else 1
+    fsdp = mesh_spec.fsdp if mesh_spec and mesh_spec.fsdp else shape.chips_per_slice // (tensor * data)
+    return fsdp, tensor, data, shape.slices
+
+
+def trainable_params(spec: TPUFineTuneSpec, model: ModelDims) -> tuple[int, list[str]]:
+    """Weights the optimizer updates (every weight for `full`, the adapters for `lora`), and notes."""
+    training = spec.training
+    if training.method != "lora":
+        return model.params, []
+    lora = training.lora
+    return lora_trainable(model, lora.r if lora else 16, lora.target_modules if lora else None)
+
+
+def optimizer_state_bytes(optimizer: str, trainable: int, model: ModelDims, dtype_bytes: int) -> float:
+    """The optimizer state of ``trainable`` weights, all of it: adamw keeps two values per weight in
+    the weight dtype; adafactor a float32 row and column vector per matrix (~2 x trainable / hidden)."""
+    if optimizer == "adamw":
+        return 2 * trainable * dtype_bytes
+    return 2 * trainable / model.hidden_size * 4
+
+
+def checkpoint_bytes(spec: TPUFineTuneSpec, model: ModelDims, trainable: int) -> tuple[float, float]:
+    """(all, weights): bytes written per checkpoint by all hosts together, and the weights' part.
+
+    The saved weights are every weight for `full`, the adapter weights for `lora` (the frozen base
+    is read again from the model), in the model dtype; the rest is the trainable weights' optimizer
+    state. A DPO reference copy is frozen and not saved."""
+    w = DTYPE_BYTES[spec.model.dtype]
+    weights = (model.params if spec.training.method == "full" else trainable) * w
+    return weights + optimizer_state_bytes(spec.training.optimizer, trainable, model, w), float(weights)
+
+
+def largest_tensor(model: ModelDims) -> tuple[int, str]:
+    """(values, description) of the model's largest tensor: the embedding or the LM head (vocab x
+    hidden), or an MLP matrix (hidden x I) if a model's is larger."""
+    embedding = model.vocab_size * model.hidden_size
+    mlp = model.hidden_size * model.intermediate_size
+    if mlp > embedding:
+        return mlp, f"an MLP matrix, {model.hidden_size} hidden x {model.intermediate_size}"
+    return embedding, f"the embedding, {model.vocab_size} vocab x {model.hidden_size} hidden"
+
+
+def host_memory(spec: TPUFineTuneSpec, shape: SliceShape, model: ModelDims) -> HostMemory:
+    """Host RAM per host at its peak (see the module docstring), for a spec whose mesh is valid."""
+    fsdp, tensor, _, _ = mesh_axes(spec, shape)
+    shard = fsdp * tensor
+    trainable, _ = trainable_params(spec, model)
+    total, weights = checkpoint_bytes(spec, model, trainable)
+    values, what = largest_tensor(model)
+    return HostMemory(
+        checkpoint_bytes=total,
+        weights_bytes=weights,
+        shard=shard,
+        chips_holding=min(shape.chips_per_host, shard),
+        load_bytes=float(values * DTYPE_BYTES[spec.model.dtype]),
+        largest_tensor=what,
+        export_bytes=float(EXPORT_GROUP_BYTES),
+        runtime_bytes=float(RUNTIME_HOST_GIB * GIB),
+        ram_bytes=shape.host_ram_gib * GIB,
+        machine_type=shape.machine_type,
+    )
+
+
+def host_suggestions(spec: TPUFineTuneSpec) -> list[str]:
+    """What lowers a host's peak RAM, as the spec's fields say it."""
+    out = ["use a larger topology (more hosts share the state)"]
+    if spec.training.method == "full":
+        out.append("training.method: lora")
+    if spec.training.optimizer == "adamw":
+        out.append("training.optimizer: adafactor")
+    if spec.model.dtype == "float32":
+        out.append("model.dtype: bfloat16")
+    return out
+
+
+def _or_list(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def host_ram_refusal(spec: TPUFineTuneSpec, shape: SliceShape) -> str | None:
+    """Why a host cannot hold the run, for a spec whose model is in KNOWN_MODELS (the operator
+    cannot read a model's config.json) and whose mesh is valid; None when it fits or the model is
+    unknown. Validation puts it on spec.tpu.topology."""
+    model = KNOWN_MODELS.get(spec.model.name)
+    if model is None:
+        return None
+    host = host_memory(spec, shape, model)
+    if host.fits:
+        return None
+    runtime = f"{host.runtime_bytes / GIB:.0f} GiB runtime"
+    need = {
+        "save": f"to save a checkpoint (staging {host.save_bytes / GIB:.0f} GiB of its chips' shards + {runtime})",
+        "load": f"to load the model (its largest tensor, {host.load_bytes / GIB:.0f} GiB, + {runtime})",
+        "export": f"to export the model (a {host.export_bytes / GIB:.0f} GiB gather group + {runtime})",
+    }[host.phase]
+    training = spec.training
+    method = "full fine-tune" if training.method == "full" else "LoRA fine-tune"
+    return (
+        f"{spec.model.name} {method} with {training.optimizer} in {spec.model.dtype} needs "
+        f"~{host.peak_bytes / GIB:.0f} GiB of host RAM per host {need}; a {host.machine_type} host has "
+        f"{host.ram_bytes // GIB} GiB: {_or_list(host_suggestions(spec))} (`tpuft plan -f` shows the estimate)"
+    )
+
+
 def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
     """Shape and memory per chip for a validated TPUFineTune and a model's dimensions."""
     spec = ft.spec
     tpu, training = spec.tpu, spec.training
     shape = resolve(tpu.type, tpu.topology, slices=tpu.slices, chips_per_host=tpu.chips_per_host)
-    mesh_spec = spec.fsdp.mesh
-    tensor = mesh_spec.tensor if mesh_spec else 1
-    data = mesh_spec.data if mesh_spec else 1
-    fsdp = mesh_spec.fsdp if mesh_spec and mesh_spec.fsdp else shape.chips_per_slice // (tensor * data)
+    fsdp, tensor, data, _ = mesh_axes(spec, shape)
     shard = fsdp * tensor
     w = DTYPE_BYTES[spec.model.dtype]
-    notes: list[str] = []
-
-    if training.method == "lora":
-        lora = training.lora
-        r = lora.r if lora else 16
-        trainable, lora_notes = lora_trainable(model, r, lora.target_modules if lora else None)
-        notes += lora_notes
-    else:
-        trainable = model.params
+    trainable, notes = trainable_params(spec, model)
 
     lines = [
         MemoryLine(
@@ -361,15 +525,11 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
         ),
         MemoryLine("gradients", trainable * w / shard, f"{_count(trainable)} trainable x {w} B / {shard}"),
     ]
+    optimizer = optimizer_state_bytes(training.optimizer, trainable, model, w) / shard
     if training.optimizer == "adamw":
-        lines.append(
-            MemoryLine("optimizer", 2 * trainable * w / shard, f"adamw: 2 states x {w} B per trainable")
-        )
+        lines.append(MemoryLine("optimizer", optimizer, f"adamw: 2 states x {w} B per trainable"))
     else:
-        factored = 2 * trainable / model.hidden_size
-        lines.append(
-            MemoryLine("optimizer", factored * 4 / shard, "adafactor: a row + a column vector per matrix")
-        )
+        lines.append(MemoryLine("optimizer", optimizer, "adafactor: a row + a column vector per matrix"))
 
     dpo = training.objective == "dpo"
     if dpo and training.method == "full":
@@ -432,6 +592,7 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
         trainable_params=trainable,
         lines=lines,
         hbm_bytes=shape.family.hbm_gib_per_chip * GIB,
+        host=host_memory(spec, shape, model),
         notes=notes,
     )
 
@@ -487,6 +648,41 @@ def _step_rows(p: Plan, ft: TPUFineTune) -> list[str]:
     ]
 
 
+def _host_rows(p: Plan, ft: TPUFineTune) -> list[str]:
+    host, spec = p.host, ft.spec
+    w = DTYPE_BYTES[spec.model.dtype]
+    saved = _count(p.model.params if p.method == "full" else p.trainable_params)
+    state = _gib(host.checkpoint_bytes - host.weights_bytes).strip()
+    rows = [
+        "",
+        "Host memory per host (estimate)",
+        f"  {'checkpoint':<12}{_gib(host.checkpoint_bytes)}   written per save in all: weights {saved} x {w} B"
+        f" + {spec.training.optimizer} state of {_count(p.trainable_params)} trainable ({state})",
+        f"  {'per host':<12}{_gib(host.per_host_bytes)}   / {host.shard} (fsdp x tensor) x {host.chips_holding}"
+        " chips of the host holding distinct shards",
+        f"  {'save':<12}{_gib(host.save_bytes)}   staging its shards in RAM at each save (one save in flight)",
+        f"  {'load':<12}{_gib(host.load_bytes)}   the largest tensor, whole: {host.largest_tensor} x {w} B",
+        f"  {'export':<12}{_gib(host.export_bytes)}   one gather group of the final export",
+        f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: Python, torch_xla/libtpu, the tokenised dataset",
+    ]
+    ram = host.ram_bytes // GIB
+    verdict = "fits" if host.fits else "DOES NOT FIT"
+    rows.append(
+        f"  {'peak':<12}{_gib(host.peak_bytes)}   runtime + {host.phase} (the largest of load, save, export);"
+        f" {host.peak_bytes / host.ram_bytes:.0%} of {ram} GiB ({host.machine_type}): {verdict}"
+    )
+    if not host.fits:
+        refused = host_ram_refusal(spec, p.shape) is not None
+        rows.append(
+            f"WARNING: a host needs more RAM than its {ram} GiB; it would likely run out of host memory"
+            + (" (`tpuft render` and the operator refuse this spec: spec.tpu.topology)" if refused else "")
+            + ". Try: "
+            + "; ".join(host_suggestions(spec))
+            + "."
+        )
+    return rows
+
+
 def format_plan(p: Plan, ft: TPUFineTune) -> str:
     shape, fam = p.shape, p.shape.family
     fsdp, tensor, data, dcn = p.mesh
@@ -500,6 +696,7 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         f" machine {shape.machine_type}",
         f"  mesh        fsdp={fsdp} tensor={tensor} data={data} within a slice (ICI); dcn={dcn} across slices",
         f"  HBM         {fam.hbm_gib_per_chip} GiB per chip",
+        f"  host RAM    {shape.host_ram_gib} GiB per host ({shape.machine_type})",
         "",
         f"Model {ft.spec.model.name}: {_count(p.model.params)} parameters",
         f"  source      {p.model.source}",
@@ -521,12 +718,14 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         )
     elif share > 0.75:
         rows.append("note: tight; XLA's temporary buffers may push it over. Leave some margin.")
+    rows += _host_rows(p, ft)
     rows += _step_rows(p, ft)
     rows += ["", *[f"note: {n}" for n in p.notes]] if p.notes else []
     rows += [
         "",
         "Assumptions: Llama-style decoder layers; weights, gradients and optimizer state sharded over",
         "fsdp x tensor and replicated across slices; activations of one chip's batch, eager attention;",
-        f"{HEADROOM:.0%} of HBM kept for XLA buffers and the runtime. See docs/plan.md.",
+        f"{HEADROOM:.0%} of HBM kept for XLA buffers and the runtime; per host, sharded checkpoints with one",
+        f"save in flight and {RUNTIME_HOST_GIB} GiB of host RAM allowed for the runtime. See docs/plan.md.",
     ]
     return "\n".join(rows) + "\n"

@@ -1,4 +1,4 @@
-"""`tpuft plan -f FILE`: shape and memory per chip, offline.
+"""`tpuft plan -f FILE`: shape, memory per chip and host RAM per host, offline.
 
 Where the model's architecture comes from, first match wins:
 1. `spec.model.name` is a local directory with a config.json;
@@ -79,9 +79,11 @@ def model_dims(model: str, revision: str | None, params_billions: float | None) 
 @click.option("-f", "--filename", "path", required=True, type=click.Path(path_type=Path, allow_dash=True))
 @click.option("--params-billions", type=float, default=None, help="Model size when no config is available.")
 def plan(path: Path, params_billions: float | None) -> None:
-    """Show a TPUFineTune's TPU shape, mesh and estimated memory per chip against HBM.
+    """Show a TPUFineTune's TPU shape, mesh, estimated memory per chip against HBM and host memory
+    per host against the machine type's RAM.
 
-    Exits 0 when the estimate fits, 1 when it does not, 2 on invalid input.
+    Exits 0 when both estimates fit, 1 when either does not, 2 on invalid input. A spec the operator
+    refuses because a host's RAM cannot hold it is shown in full (exit 1), not as invalid input.
     """
     docs = [d for d in load_documents(path) if d.get("kind") == "TPUFineTune"]
     if not docs:
@@ -89,13 +91,13 @@ def plan(path: Path, params_billions: float | None) -> None:
     fits = True
     for doc in docs:
         try:
-            ft = parse(doc)
+            ft = parse(doc, check_host_ram=False)  # the host-RAM rule: shown below in full
         except SpecError as error:
             lines = "\n".join(f"  {e.field}: {e.reason}" for e in error.errors)
             raise click.UsageError(f"TPUFineTune is invalid:\n{lines}") from None
         dims = model_dims(ft.spec.model.name, ft.spec.model.revision, params_billions)
         result = planning.plan(ft, dims)
         click.echo(planning.format_plan(result, ft))
-        fits = fits and result.fits
+        fits = fits and result.fits and result.host.fits
     if not fits:
         raise SystemExit(1)

@@ -48,7 +48,7 @@ NAMESPACE_IDENTITY_RECHECK = 600.0
 EventSink = Callable[[str, str, str], None]
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 # Conditions that post a Warning Event (reason = the condition type) when they become True.
-WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow", "ReplicaFailure")
+WARNING_CONDITIONS = ("MaintenanceScheduled", "CheckpointSlow", "CheckpointSkipped", "ReplicaFailure")
 # A JobSet's pods missing this long after it was created: ask whether the apiserver refused them
 # (the Job's FailedCreate events), then again after twice the wait, up to REFUSAL_CHECK_MAX.
 REFUSAL_CHECK_AFTER = 2.0

@@ -14,9 +14,11 @@ The phase machine (one transition a line; "terminal" phases never change again):
 A terminal phase is final only while no active JobSet contradicts it (see `is_final`): one written by
 hand next to a running JobSet is derived again from what is observed.
 
-Beside the phase, two warnings: MaintenanceScheduled (GKE announced maintenance of a node the run's
-pods run on, maintenance.py) and CheckpointSlow (a save took more than half the pods' grace period,
-so a stop's save may be cut off); and status.goodput (goodput.py).
+Beside the phase, three warnings: MaintenanceScheduled (GKE announced maintenance of a node the run's
+pods run on, maintenance.py), CheckpointSlow (a save took more than half the pods' grace period in
+all, so a stop's save, which is synchronous, may be cut off) and CheckpointSkipped (the current
+attempt found checkpoints it could not resume from: incomplete, a shard missing or truncated); and
+status.goodput (goodput.py).
 
 It reads only its input, so a restarted operator derives the same status from the same cluster,
 and it never writes `status.progress` (the trainer owns that field).
@@ -312,9 +314,33 @@ def _derive_phase(obs: Observed) -> _Derived:
     return _Derived(Phase.PENDING, "Starting", message, {**valid, **not_suspended})
 
 
+def _skipped_message(skipped: Sequence[Obj], resumed: Any) -> str:
+    """E.g. the trainer skipped checkpoint-8 (shard __0_0.distcp is missing) and resumed from step 4."""
+    named = []
+    for entry in skipped:
+        name = f"checkpoint-{entry.get('step')}"
+        reason = str(entry.get("reason") or "not resumable")
+        reason = reason.removeprefix(f"{name}:").strip() or "not resumable"  # the trainer names it too
+        named.append(f"{name} ({reason})")
+    return (
+        f"the trainer skipped {', '.join(named)} and {_resumed(resumed)}: the steps after that are trained "
+        "again. A save cut off by SIGKILL leaves an incomplete checkpoint; a missing or truncated shard "
+        "of a complete one points at the output storage"
+    )
+
+
+def _resumed(step: Any) -> str:
+    if isinstance(step, int) and step > 0:
+        return f"resumed from step {step}"
+    if step == 0:
+        return "started from the beginning"
+    return "resumed from an older checkpoint"
+
+
 def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
-    """MaintenanceScheduled and CheckpointSlow: True while they hold; False once they stop holding
-    (only if they were True: a run that never had maintenance carries no such condition)."""
+    """MaintenanceScheduled, CheckpointSlow and CheckpointSkipped: True while they hold; False once
+    they stop holding (only if they were True: a run that never had maintenance carries no such
+    condition)."""
     was_true = {c.get("type") for c in previous.get("conditions") or [] if c.get("status") == "True"}
     wanted: dict[str, tuple[str, str, str]] = {}
     found = maintenance.for_run(current_pods(obs.pods, obs.jobset), obs.nodes)
@@ -329,23 +355,48 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
         )
     if obs.pods_refused is None and "ReplicaFailure" in was_true:
         wanted["ReplicaFailure"] = ("False", "PodsCreated", "the apiserver accepts the run's pods")
-    save = (previous.get("progress") or {}).get("lastCheckpoint") or {}
+    progress = previous.get("progress") or {}
+    save = progress.get("lastCheckpoint") or {}
+    # The whole save (blocked + write), not just what training waited for: a periodic save writes in
+    # the background, but a stop's save is synchronous and takes all of it within the grace period.
     seconds, grace = save.get("seconds"), save.get("graceSeconds")
     if isinstance(seconds, (int, float)) and isinstance(grace, (int, float)) and grace > 0:
+        blocked, write = save.get("blockedSeconds"), save.get("writeSeconds")
+        split = (
+            f" ({blocked:.0f} s copying to host memory, {write:.0f} s writing)"
+            if isinstance(blocked, (int, float)) and isinstance(write, (int, float))
+            else ""
+        )
         if seconds > grace / 2:
             wanted["CheckpointSlow"] = (
                 "True",
                 "SaveOverHalfTheGrace",
-                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s, more than half the {grace:.0f} s "
-                "grace period after SIGTERM: a stop's save may be cut off (and lose the steps since the last "
-                "complete checkpoint); raise spec.terminationGracePeriodSeconds",
+                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s in all{split}, more than half the "
+                f"{grace:.0f} s grace period after SIGTERM: a stop's save is synchronous, so it takes about as "
+                "long and may be cut off by SIGKILL (and lose the steps since the last complete checkpoint); "
+                "raise spec.terminationGracePeriodSeconds",
             )
         elif "CheckpointSlow" in was_true:
             wanted["CheckpointSlow"] = (
                 "False",
                 "SaveWithinTheGrace",
-                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s of the {grace:.0f} s grace period",
+                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s in all{split} of the {grace:.0f} s "
+                "grace period",
             )
+    attempt = progress.get("attempt") or {}
+    skipped = [s for s in attempt.get("skippedCheckpoints") or [] if isinstance(s, Mapping)]
+    if skipped:
+        wanted["CheckpointSkipped"] = (
+            "True",
+            "NotResumable",
+            _skipped_message(skipped, attempt.get("resumedFromStep")),
+        )
+    elif attempt and "CheckpointSkipped" in was_true:
+        wanted["CheckpointSkipped"] = (
+            "False",
+            "NoneSkipped",
+            f"the current attempt skipped no checkpoint and {_resumed(attempt.get('resumedFromStep'))}",
+        )
     return wanted
 
 

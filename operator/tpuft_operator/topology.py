@@ -3,8 +3,12 @@
 Every number here comes from Google's documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e,
 /tpu7x, the GKE "Plan TPUs" and "About Ironwood (TPU7x) in GKE" pages) and is cross-checked with xpk's
 `src/xpk/core/system_characteristics.py` (AI-Hypercomputer/xpk): accelerator label values, machine
-types, the topology lists per family and the largest slice of each. docs/topology.md shows the
-catalog as a table, generated from this module.
+types, the topology lists per family and the largest slice of each. Host RAM per machine type is
+from Google's pages where one lists it (v5e, v5p, and the tpu7x page's comparison table for v6e and
+tpu7x 4-chip VMs); the machine types no page lists (v4, v6e 1t and 8t, tpu7x 1t) take the Compute
+Engine API's figure (`gcloud compute machine-types list`), with GKE's cluster autoscaler as a second
+source (it disagrees for tpu7x: see the comment there). The pages say "GB" but mean what gcloud and
+the autoscaler report, GiB. docs/topology.md shows the catalog as a table, generated from this module.
 It is the single source of truth for TPU shapes: the CRD's CEL rules, the renderer, `tpuft plan` and
 `tpuft cluster add-nodepool` all read it.
 
@@ -52,6 +56,10 @@ class TpuFamily:
     accelerator: str  # value of cloud.google.com/gke-tpu-accelerator
     dimensions: int  # 2 (AxB) or 3 (AxBxC)
     machine_types: dict[int, str]  # chips per host -> GKE machine type
+    # chips per host -> RAM of that machine type in GiB (the VM's memory, not HBM): what a host has to
+    # stage its chips' share of a checkpoint, load the model and run the trainer in (`tpuft plan`).
+    # Google's pages label it "GB"; gcloud and GKE's autoscaler treat the same numbers as GiB.
+    host_ram_gib: dict[int, int]
     default_chips_per_host: int
     hbm_gib_per_chip: int
     tensorcores_per_chip: int
@@ -70,6 +78,10 @@ class TpuFamily:
     multihost_chips_per_host: int = 4
     # Longest side of a 3-D slice, where the pod bounds it (v4: the pod is a 16x16x16 cube).
     max_dimension: int | None = None
+
+    def __post_init__(self) -> None:
+        if set(self.host_ram_gib) != set(self.machine_types):
+            raise ValueError(f"{self.name}: host_ram_gib must name the RAM of every machine type")
 
     @property
     def chips_per_host_choices(self) -> tuple[int, ...]:
@@ -105,6 +117,11 @@ FAMILIES: dict[str, TpuFamily] = {
         accelerator="tpu-v4-podslice",
         dimensions=3,
         machine_types={4: "ct4p-hightpu-4t"},
+        # No Google doc page lists it: the Compute Engine API (`gcloud compute machine-types list`, as
+        # recorded in Cyclenerd/google-cloud-pricing-cost-calculator tools/machinetypes.csv) and GKE's
+        # cluster autoscaler (GoogleCloudPlatform/cluster-autoscaler, pkg/cloudprovider/gke/
+        # machinetypes/deprecated_machine_types_config.go: NewMachineTypeInfo("ct4p-hightpu-4t", 240, 407)).
+        host_ram_gib={4: 407},
         default_chips_per_host=4,
         hbm_gib_per_chip=32,
         tensorcores_per_chip=2,
@@ -119,6 +136,7 @@ FAMILIES: dict[str, TpuFamily] = {
         accelerator="tpu-v5-lite-podslice",
         dimensions=2,
         machine_types={1: "ct5lp-hightpu-1t", 4: "ct5lp-hightpu-4t", 8: "ct5lp-hightpu-8t"},
+        host_ram_gib={1: 48, 4: 192, 8: 384},  # cloud.google.com/tpu/docs/v5e, "RAM per VM (GB)"
         default_chips_per_host=4,
         hbm_gib_per_chip=16,
         tensorcores_per_chip=1,
@@ -131,6 +149,9 @@ FAMILIES: dict[str, TpuFamily] = {
         accelerator="tpu-v5p-slice",
         dimensions=3,
         machine_types={4: "ct5p-hightpu-4t"},
+        # cloud.google.com/tpu/docs/v5p-training; GKE "Plan TPUs" (Autopilot table, "Memory (GiB)");
+        # docs.cloud.google.com/tpu/docs/tpu7x, comparison table "RAM (GB) (4-chip VM)".
+        host_ram_gib={4: 448},
         default_chips_per_host=4,
         hbm_gib_per_chip=95,
         tensorcores_per_chip=2,
@@ -144,6 +165,10 @@ FAMILIES: dict[str, TpuFamily] = {
         accelerator="tpu-v6e-slice",
         dimensions=2,
         machine_types={1: "ct6e-standard-1t", 4: "ct6e-standard-4t", 8: "ct6e-standard-8t"},
+        # 4t: docs.cloud.google.com/tpu/docs/tpu7x, comparison table "RAM (GB) (4-chip VM)". 1t and 8t:
+        # no Google doc page lists them; the Compute Engine API listing (tools/machinetypes.csv of
+        # Cyclenerd/google-cloud-pricing-cost-calculator) and GKE's cluster autoscaler agree.
+        host_ram_gib={1: 176, 4: 720, 8: 1440},
         default_chips_per_host=4,
         hbm_gib_per_chip=32,
         tensorcores_per_chip=1,
@@ -157,6 +182,10 @@ FAMILIES: dict[str, TpuFamily] = {
         dimensions=3,
         # tpu7x-standard-1t is a single-chip VM (1x1x1), as listed by xpk; 4t is the slice building block.
         machine_types={1: "tpu7x-standard-1t", 4: "tpu7x-standard-4t"},
+        # 4t: docs.cloud.google.com/tpu/docs/tpu7x, comparison table "RAM (GB) (4-chip VM)"; 1t: the
+        # Compute Engine API listing (no Google doc page). GKE's cluster autoscaler says 248 and 992:
+        # Google's page wins (docs/topology.md notes the disagreement).
+        host_ram_gib={1: 240, 4: 960},
         default_chips_per_host=4,
         hbm_gib_per_chip=192,
         tensorcores_per_chip=2,
@@ -205,6 +234,11 @@ class SliceShape:
     @property
     def hbm_gib_per_host(self) -> int:
         return self.family.hbm_gib_per_chip * self.chips_per_host
+
+    @property
+    def host_ram_gib(self) -> int:
+        """RAM of one host (TPU VM) of this shape's machine type, GiB."""
+        return self.family.host_ram_gib[self.chips_per_host]
 
 
 def parse_topology(topology: str) -> tuple[int, ...]:

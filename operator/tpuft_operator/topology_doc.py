@@ -12,6 +12,26 @@ GKE "Plan TPUs in GKE" and "About Ironwood (TPU7x) in GKE" (workload policy repl
 multi-host Ironwood pools), and xpk's `src/xpk/core/system_characteristics.py` (AI-Hypercomputer/xpk) for
 the accelerator label values, machine types and topology lists."""
 
+HOST_RAM_SOURCES = """Host RAM is the memory of one TPU VM (not HBM): where a host stages its chips' share of a
+checkpoint, loads the model and runs the trainer (`tpuft plan`, "Host memory per host"). Google's pages
+say "GB"; gcloud and GKE's cluster autoscaler report the same numbers as GiB, which is what they are.
+Sources:
+
+- v5e (48, 192, 384): "RAM per VM (GB)", cloud.google.com/tpu/docs/v5e.
+- v5p (448): cloud.google.com/tpu/docs/v5p-training; GKE "Plan TPUs" (Autopilot table, "Memory (GiB)").
+- v6e 4-chip (720) and tpu7x 4-chip (960): the comparison table of docs.cloud.google.com/tpu/docs/tpu7x,
+  "RAM (GB) (4-chip VM)": 448 (v5p), 720 (v6e), 960 (tpu7x).
+- v4 (407), v6e 1-chip (176) and 8-chip (1440), tpu7x 1-chip (240): no Google page lists them; the Compute
+  Engine API (`gcloud compute machine-types list`, as recorded in Cyclenerd/google-cloud-pricing-cost-calculator
+  `tools/machinetypes.csv`). GKE's cluster autoscaler (GoogleCloudPlatform/cluster-autoscaler,
+  `pkg/cloudprovider/gke/machinetypes/`) gives the same for v4 and v6e.
+- The one disagreement: the autoscaler's table gives tpu7x-standard-1t and -4t 248 and 992 GiB; the catalog
+  takes Google's tpu7x page (960) and the Compute Engine API (240)."""
+
+
+def _gib(value: int) -> str:
+    return f"{value} GiB"
+
 
 def topology_markdown() -> str:
     out = [
@@ -25,12 +45,14 @@ def topology_markdown() -> str:
         "",
         "## Families",
         "",
-        "| type | `cloud.google.com/gke-tpu-accelerator` | dims | machine types (chips per host) | default chips per host "
-        "| HBM per chip | TensorCores per chip | peak bf16 per chip | largest slice |",
+        "| type | `cloud.google.com/gke-tpu-accelerator` | dims | machine types (chips per host; host RAM) "
+        "| default chips per host | HBM per chip | TensorCores per chip | peak bf16 per chip | largest slice |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in FAMILIES.values():
-        machines = ", ".join(f"{m} ({c})" for c, m in sorted(fam.machine_types.items()))
+        machines = ", ".join(
+            f"{m} ({c}; {_gib(fam.host_ram_gib[c])})" for c, m in sorted(fam.machine_types.items())
+        )
         out.append(
             f"| `{fam.name}` | `{fam.accelerator}` | {fam.dimensions}-D | {machines} | {fam.default_chips_per_host} "
             f"| {fam.hbm_gib_per_chip} GiB | {fam.tensorcores_per_chip} | {fam.peak_bf16_tflops_per_chip:g} TFLOP/s "
@@ -52,6 +74,8 @@ def topology_markdown() -> str:
         "- Naming trap: `v4-16`, `v5p-16` and `tpu7x-16` count TensorCores (8 chips); `v5litepod-16` and "
         "`v6e-16` count chips.",
         "",
+        HOST_RAM_SOURCES,
+        "",
         "## Shapes (smallest first)",
         "",
     ]
@@ -59,9 +83,9 @@ def topology_markdown() -> str:
         out += [
             f"### {fam.name}",
             "",
-            "| topology | chips | chips per host | hosts | machine type | multi-host |",
+            "| topology | chips | chips per host | hosts | machine type | host RAM | multi-host |",
         ]
-        out.append("|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|")
         shapes = valid_shapes(fam)
         shown = shapes if fam.dimensions == 2 else shapes[:12]
         for topo in shown:
@@ -70,9 +94,9 @@ def topology_markdown() -> str:
                 hosts = chips // per_host
                 out.append(
                     f"| `{topo}` | {chips} | {per_host} | {hosts} | {fam.machine_types[per_host]} "
-                    f"| {'yes' if hosts > 1 else 'no'} |"
+                    f"| {_gib(fam.host_ram_gib[per_host])} | {'yes' if hosts > 1 else 'no'} |"
                 )
         if len(shown) < len(shapes):
-            out.append(f"| ... {len(shapes) - len(shown)} more, up to `{shapes[-1]}` | | | | | |")
+            out.append(f"| ... {len(shapes) - len(shown)} more, up to `{shapes[-1]}` | | | | | | |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"

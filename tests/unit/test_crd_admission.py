@@ -73,3 +73,61 @@ def test_render_validation_agrees(case: dict[str, Any]) -> None:
         return
     with pytest.raises(SpecError):
         parse(obj)
+
+
+def test_the_async_checkpoint_fields_of_the_status_are_accepted_and_bounded() -> None:
+    """What the trainer reports of its sharded, asynchronous saves (status.progress) and what the
+    operator records of them (status.goodput) are in the schema: not pruned, and bounded."""
+    base, _ = load_cases()
+    skipped = {"step": 8, "reason": "checkpoint-8: shard __0_0.distcp is missing"}
+    status = {
+        "progress": {
+            "step": 9,
+            "attempt": {
+                "startTime": "2026-12-01T10:00:00Z",
+                "resumedFromStep": 4,
+                "checkpointSeconds": 3.5,
+                "checkpointWriteSeconds": 80.25,
+                "skippedCheckpoints": [skipped],
+            },
+            "lastCheckpoint": {
+                "step": 8,
+                "seconds": 41.5,
+                "blockedSeconds": 1.5,
+                "writeSeconds": 40.0,
+                "reason": "periodic",
+                "graceSeconds": 60,
+                "time": "2026-12-01T10:05:00Z",
+            },
+        },
+        "goodput": {
+            "attempts": [
+                {
+                    "startTime": "2026-12-01T10:00:00Z",
+                    "endTime": "2026-12-01T10:06:00Z",
+                    "checkpointSeconds": 3.5,
+                    "checkpointWriteSeconds": 80.25,
+                }
+            ]
+        },
+    }
+
+    def with_status(**changes: Any) -> dict[str, Any]:
+        return dict(base, status=crdcheck.merge(status, {"progress": changes}))
+
+    cases = [
+        {"name": "reported", "object": dict(base, status=status)},
+        {"name": "nine-skipped", "object": with_status(attempt={"skippedCheckpoints": [skipped] * 9})},
+        {
+            "name": "long-reason",
+            "object": with_status(attempt={"skippedCheckpoints": [{"step": 8, "reason": "x" * 257}]}),
+        },
+        {"name": "negative-blocked", "object": with_status(lastCheckpoint={"blockedSeconds": -1})},
+        {"name": "negative-write", "object": with_status(attempt={"checkpointWriteSeconds": -1})},
+    ]
+    results = crdcheck.admit(CRD_FILE, cases)
+    assert results["reported"] == []
+    assert any("must have at most 8 items" in e for e in results["nine-skipped"]), results["nine-skipped"]
+    assert any("may not be more than 256" in e for e in results["long-reason"]), results["long-reason"]
+    assert any("greater than or equal to 0" in e for e in results["negative-blocked"])
+    assert any("greater than or equal to 0" in e for e in results["negative-write"])

@@ -77,6 +77,24 @@ def test_reports_refresh_the_figures_once_per_interval_and_always_at_a_phase_cha
     assert saved["lost"]["checkpointSeconds"] == 3
 
 
+def test_only_the_time_training_waited_for_saves_is_lost_the_background_writes_are_not() -> None:
+    # Two periodic saves blocked training 1.5 s each (the copy of the shards to host memory), then
+    # wrote for 40 s each in the background while training went on; a report says both totals.
+    progress = report(0, 10, 200, 40, 0, 3.0)
+    progress["attempt"]["checkpointWriteSeconds"] = 80.0
+    figures = fold(None, progress)
+    assert figures["lost"]["checkpointSeconds"] == 3
+    assert figures["productiveSeconds"] == 200 - 10 - 3  # the writes overlapped the steps
+    assert figures["attempts"][0]["checkpointWriteSeconds"] == 80  # kept, for information
+    assert_sums_to_wall(figures)
+    # A trainer that does not report the writes (an older image): no such field, same buckets.
+    assert "checkpointWriteSeconds" not in fold(None, report(0, 10, 200, 40, 0, 3.0))["attempts"][0]
+    # A write finishing in the background changes no bucket: it waits for the next interval.
+    later = report(0, 10, 205, 41, 0, 3.0)
+    later["attempt"]["checkpointWriteSeconds"] = 120.0
+    assert fold(figures, later) == figures
+
+
 def test_a_finished_run_is_measured_to_its_completion_and_stays_put() -> None:
     done = fold(
         None, report(0, 10, 100, 100, 0, 2.0), phase="Succeeded", completed=T0 + timedelta(seconds=104)
@@ -183,6 +201,7 @@ def test_a_slow_save_is_a_warning_condition() -> None:
     slow = derive(finetune(with_save(31)), jobset(), [pod("a"), pod("b")])
     assert cond(slow, "CheckpointSlow")["status"] == "True"
     assert "more than half the 60 s grace period" in cond(slow, "CheckpointSlow")["message"]
+    assert "a stop's save is synchronous" in cond(slow, "CheckpointSlow")["message"]
     fine = derive(
         finetune({**with_save(12), "conditions": slow["conditions"]}), jobset(), [pod("a"), pod("b")]
     )
@@ -190,6 +209,61 @@ def test_a_slow_save_is_a_warning_condition() -> None:
     assert "CheckpointSlow" not in {
         c["type"] for c in derive(finetune(with_save(12)), jobset(), [pod("a")])["conditions"]
     }
+
+
+def test_a_periodic_save_that_blocked_little_but_took_long_in_all_is_slow() -> None:
+    """The save a stop makes is synchronous: the whole of a periodic save (the copy to host memory and
+    the background write) is what a stop would take, not just what training waited for."""
+    save = {"step": 40, "seconds": 45.0, "blockedSeconds": 2.0, "writeSeconds": 43.0, "graceSeconds": 60}
+    status = derive(finetune({"progress": {"lastCheckpoint": save}}), jobset(), [pod("a"), pod("b")])
+    slow = cond(status, "CheckpointSlow")
+    assert slow["status"] == "True"
+    assert "took 45 s in all (2 s copying to host memory, 43 s writing)" in slow["message"]
+
+
+def skipped_report(resumed: int, *skipped: tuple[int, str]) -> dict[str, Any]:
+    attempt: dict[str, Any] = {"startTime": at(0), "resumedFromStep": resumed, "checkpointSeconds": 0.0}
+    if skipped:
+        attempt["skippedCheckpoints"] = [{"step": step, "reason": reason} for step, reason in skipped]
+    return {"progress": {"step": resumed, "updateTime": at(30), "attempt": attempt}}
+
+
+def test_checkpoints_the_trainer_skipped_are_a_warning_condition() -> None:
+    pods = [pod("a"), pod("b")]
+    status = derive(
+        finetune(skipped_report(4, (8, "checkpoint-8: shard __0_0.distcp is missing"))), jobset(), pods
+    )
+    skipped = cond(status, "CheckpointSkipped")
+    assert (skipped["status"], skipped["reason"]) == ("True", "NotResumable")
+    assert skipped["message"].startswith(
+        "the trainer skipped checkpoint-8 (shard __0_0.distcp is missing) and resumed from step 4"
+    )
+    several = derive(
+        finetune(
+            skipped_report(
+                0, (12, "checkpoint-12: incomplete (no completion marker)"), (8, "shard 3 is truncated")
+            )
+        ),
+        jobset(),
+        pods,
+    )
+    assert cond(several, "CheckpointSkipped")["message"].startswith(
+        "the trainer skipped checkpoint-12 (incomplete (no completion marker)), checkpoint-8 (shard 3 is "
+        "truncated) and started from the beginning"
+    )
+    # A later attempt reports none: False, once it had been True.
+    cleared = derive(finetune({**skipped_report(12), "conditions": status["conditions"]}), jobset(), pods)
+    assert (cond(cleared, "CheckpointSkipped")["status"], cond(cleared, "CheckpointSkipped")["reason"]) == (
+        "False",
+        "NoneSkipped",
+    )
+    assert "resumed from step 12" in cond(cleared, "CheckpointSkipped")["message"]
+    never = derive(finetune(skipped_report(12)), jobset(), pods)
+    assert "CheckpointSkipped" not in {c["type"] for c in never["conditions"]}
+    # The status these conditions come from fits the API.
+    TPUFineTuneStatus.model_validate(
+        {**skipped_report(4, (8, "checkpoint-8: shard __0_0.distcp is missing")), **{"phase": "Running"}}
+    )
 
 
 def test_the_reconciler_asks_the_pods_and_posts_the_event_once() -> None:

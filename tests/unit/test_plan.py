@@ -259,3 +259,126 @@ def test_lora_dpo_has_no_reference_copy() -> None:
     dpo = planning.plan(_dpo("lora"), model)
     assert "reference" not in {line.name for line in dpo.lines}
     assert any("adapter disabled" in note for note in dpo.notes)
+
+
+# ---- host memory per host ------------------------------------------------------------------------
+GIB = planning.GIB
+LLAMA_70B = planning.KNOWN_MODELS["meta-llama/Llama-3.1-70B"]
+
+
+def _70b(topology: str, **training: Any) -> Any:
+    return ft(
+        model={"name": "meta-llama/Llama-3.1-70B", "dtype": "float32"},
+        tpu={"type": "v5e", "topology": topology},
+        training={"optimizer": "adamw", **training},
+    )
+
+
+def _unchecked(**spec_changes: Any) -> Any:
+    """Like `ft`, without the host-RAM rule (as `tpuft plan` parses)."""
+    obj = copy.deepcopy(FT)
+    for key, value in spec_changes.items():
+        obj["spec"][key] = {**obj["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+    return parse(obj, check_host_ram=False)
+
+
+def test_the_checkpoint_is_the_saved_weights_and_the_optimizer_state() -> None:
+    p = planning.plan(_70b("4x8"), LLAMA_70B)
+    params = LLAMA_70B.params
+    assert p.host.checkpoint_bytes == pytest.approx(params * 4 + 2 * params * 4)  # weights + adamw
+    assert p.host.weights_bytes == pytest.approx(params * 4)
+    adafactor = planning.plan(_70b("4x8", optimizer="adafactor"), LLAMA_70B)
+    assert adafactor.host.checkpoint_bytes == pytest.approx(params * 4 + 2 * params / 8192 * 4)
+    lora = planning.plan(_70b("4x8", method="lora"), LLAMA_70B)
+    t = lora.trainable_params
+    assert lora.host.checkpoint_bytes == pytest.approx(t * 4 + 2 * t * 4)  # the adapters only
+
+
+def test_a_host_writes_the_distinct_shards_of_its_chips() -> None:
+    p = planning.plan(_70b("4x8"), LLAMA_70B)  # 32 chips, 8 hosts of 4, fsdp=32
+    assert p.host.per_host_bytes == pytest.approx(p.host.checkpoint_bytes / 32 * 4)
+    assert p.host.save_bytes == p.host.per_host_bytes  # one save in flight: one staging copy
+    # A data axis replicates: 8-way shards, each written once; a host's 4 chips hold 4 of them.
+    data = planning.plan(
+        _unchecked(tpu={"type": "v5e", "topology": "4x8"}, fsdp={"mesh": {"data": 4}}), LLAMA_70B
+    )
+    assert data.host.per_host_bytes == pytest.approx(data.host.checkpoint_bytes / 8 * 4)
+    # Fewer shards than a host's chips: the host holds them all, whatever the replicas.
+    replicated = planning.plan(
+        _unchecked(tpu={"type": "v5e", "topology": "2x2"}, fsdp={"mesh": {"data": 4}}), LLAMA_70B
+    )
+    assert replicated.host.per_host_bytes == pytest.approx(replicated.host.checkpoint_bytes)
+    # Slices replicate too: two slices write what one does.
+    slices = planning.plan(_unchecked(tpu={"type": "v5e", "topology": "4x8", "slices": 2}), LLAMA_70B)
+    assert slices.host.per_host_bytes == pytest.approx(
+        planning.plan(_unchecked(tpu={"type": "v5e", "topology": "4x8"}), LLAMA_70B).host.per_host_bytes
+    )
+
+
+def test_peak_is_the_runtime_and_the_largest_of_load_save_and_export() -> None:
+    p = planning.plan(_70b("4x8"), LLAMA_70B)
+    host = p.host
+    assert host.load_bytes == 128256 * 8192 * 4  # the embedding, whole, in float32
+    assert host.export_bytes == GIB == planning.EXPORT_GROUP_BYTES
+    assert host.runtime_bytes == planning.RUNTIME_HOST_GIB * GIB
+    assert host.phase == "save"
+    assert host.peak_bytes == pytest.approx(host.runtime_bytes + host.save_bytes)
+    assert host.ram_bytes == 192 * GIB and host.machine_type == "ct5lp-hightpu-4t" and host.fits
+    # A LoRA checkpoint is small: the load (the largest tensor) is the peak.
+    lora = planning.plan(_70b("4x8", method="lora"), LLAMA_70B).host
+    assert lora.phase == "load" and lora.peak_bytes == pytest.approx(lora.runtime_bytes + lora.load_bytes)
+
+
+def test_the_plan_shows_host_ram_in_the_shape_and_a_host_memory_section() -> None:
+    spec = ft()
+    text = planning.format_plan(planning.plan(spec, planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]), spec)
+    assert "  host RAM    448 GiB per host (ct5p-hightpu-4t)" in text
+    section = text.split("Host memory per host (estimate)\n")[1].split("\n\n")[0].splitlines()
+    assert [line[2:14].strip() for line in section] == [
+        "checkpoint", "per host", "save", "load", "export", "runtime", "peak"
+    ]  # fmt: skip
+    assert "/ 16 (fsdp x tensor) x 4 chips" in section[1]
+    assert section[-1].endswith("of 448 GiB (ct5p-hightpu-4t): fits")
+
+
+def test_a_host_that_cannot_hold_its_share_does_not_fit_and_says_what_helps() -> None:
+    spec = _unchecked(
+        model={"name": "meta-llama/Llama-3.1-70B", "dtype": "float32"},
+        tpu={"type": "v5e", "topology": "4x4"},
+        training={"optimizer": "adamw"},
+    )
+    p = planning.plan(spec, LLAMA_70B)
+    expected = 12 * LLAMA_70B.params / 16 * 4 + planning.RUNTIME_HOST_GIB * GIB
+    assert p.host.peak_bytes == pytest.approx(expected) and expected > 192 * GIB and not p.host.fits
+    text = planning.format_plan(p, spec)
+    peak = next(line for line in text.splitlines() if line.startswith("  peak"))
+    assert f"{expected / GIB:.2f} GiB" in peak and "of 192 GiB (ct5lp-hightpu-4t): DOES NOT FIT" in peak
+    warning = next(line for line in text.splitlines() if line.startswith("WARNING: a host needs"))
+    assert "and the operator refuse this spec: spec.tpu.topology" in warning
+    for lever in (
+        "larger topology",
+        "training.method: lora",
+        "training.optimizer: adafactor",
+        "model.dtype: bfloat16",
+    ):
+        assert lever in warning
+
+
+def test_cli_exit_code_when_host_ram_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _run(tmp_path, FT).exit_code == 0
+    monkeypatch.setattr(planning, "RUNTIME_HOST_GIB", 1000)  # HBM still fits; a host's RAM does not
+    result = _run(tmp_path, FT)
+    assert result.exit_code == 1, result.output
+    assert "of 95 GiB: fits" in result.output
+    assert "of 448 GiB (ct5p-hightpu-4t): DOES NOT FIT" in result.output
+
+
+def test_cli_shows_a_spec_the_operator_refuses_for_host_ram_in_full(tmp_path: Path) -> None:
+    obj = copy.deepcopy(FT)
+    obj["spec"]["model"] = {"name": "meta-llama/Llama-3.1-70B", "dtype": "float32"}
+    obj["spec"]["tpu"] = {"type": "v5e", "topology": "4x4"}
+    obj["spec"]["training"]["optimizer"] = "adamw"
+    result = _run(tmp_path, obj)
+    assert result.exit_code == 1, result.output  # not 2: the estimate is the answer
+    assert "Host memory per host (estimate)" in result.output
+    assert "the operator refuse this spec" in result.output

@@ -671,3 +671,48 @@ def test_a_paced_patch_writes_what_is_true_when_its_turn_comes() -> None:
     r.reconcile(new_run(), None, running_pods(), event=events)
     assert [c for c in api.calls if c[0] == "status"] == [("status", "Running")]
     assert events.posted == ["Running"]
+
+
+# ---- checkpoints and host RAM -------------------------------------------------------------------------
+def test_a_skipped_checkpoint_posts_one_warning_event() -> None:
+    api, events = RecordingApi(), Events()
+    r, _ = reconciler(api)
+    attempt = {
+        "startTime": "2026-11-30T11:59:00Z",
+        "resumedFromStep": 4,
+        "checkpointSeconds": 0.0,
+        "skippedCheckpoints": [{"step": 8, "reason": "checkpoint-8: shard __0_0.distcp is missing"}],
+    }
+    run = finetune({"phase": "Running", "jobSetName": "run", "progress": {"step": 5, "attempt": attempt}})
+    run["metadata"]["resourceVersion"] = "5"
+    r.reconcile(run, jobset(), running_pods(), event=events)
+    assert events.posted == ["CheckpointSkipped"]
+    (skipped,) = [c for c in api.last_status["conditions"] if c["type"] == "CheckpointSkipped"]
+    assert (
+        skipped["status"] == "True" and "checkpoint-8 (shard __0_0.distcp is missing)" in skipped["message"]
+    )
+    # Still true at the next report: no second Event.
+    again = written(r)
+    again["status"] = {**run["status"], **again["status"]}
+    r.reconcile(again, jobset(), running_pods(), event=events)
+    assert events.posted == ["CheckpointSkipped"]
+
+
+def test_a_spec_a_host_cannot_hold_fails_as_invalid_naming_the_topology() -> None:
+    """The operator's side of the host-RAM rule (api/validation.py): no JobSet, Valid=False."""
+    api, events = RecordingApi(), Events()
+    r, _ = reconciler(api)
+    run = finetune(
+        model={"name": "meta-llama/Llama-3.1-70B", "dtype": "float32"},
+        tpu={"type": "v5p", "topology": "2x2x1"},
+        training={"maxSteps": 10, "optimizer": "adamw"},
+    )
+    run["metadata"]["resourceVersion"] = "1"
+    r.reconcile(run, None, [], event=events)
+    status = written(r)["status"]
+    assert status["phase"] == "Failed" and ("create", "JobSet") not in api.calls
+    (valid,) = [c for c in status["conditions"] if c["type"] == "Valid"]
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
+    assert valid["message"].startswith("spec.tpu.topology: meta-llama/Llama-3.1-70B full fine-tune")
+    assert "a ct5p-hightpu-4t host has 448 GiB" in valid["message"]
+    assert "Failed" in events.posted

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpuft_operator import topology
-from tpuft_operator.api.validation import SpecError
+from tpuft_operator.api.validation import SpecError, parse
+from tpuft_operator.plan import GIB, KNOWN_MODELS, RUNTIME_HOST_GIB, host_memory
 from tpuft_operator.render import RenderSettings, naming, render_run
 from tpuft_operator.render.cli import render as render_command
 from tpuft_operator.render.jobset import config_of
@@ -334,6 +335,50 @@ def test_render_raises_spec_error_naming_the_field(changes: dict[str, Any], fiel
     with pytest.raises(SpecError) as error:
         render_run(with_spec(**changes))
     assert field in [e.field for e in error.value.errors]
+
+
+def _llama_70b_fp32_adamw(topology: str) -> dict[str, Any]:
+    return with_spec(
+        model={"name": "meta-llama/Llama-3.1-70B", "dtype": "float32"},
+        tpu={"type": "v5e", "topology": topology},
+        training={"maxSteps": 10, "optimizer": "adamw"},
+    )
+
+
+def test_a_spec_whose_host_cannot_hold_its_share_of_a_checkpoint_is_refused_with_the_numbers() -> None:
+    """A 4x4 v5e slice: 16 chips on 4 hosts of 192 GiB (ct5lp-hightpu-4t). The float32 AdamW checkpoint
+    of Llama 3.1 70B is 3 x 4 B x 70.55 B = 788.5 GiB; a host stages 4/16 of it, 197 GiB, + 12."""
+    params = KNOWN_MODELS["meta-llama/Llama-3.1-70B"].params
+    staging = 12 * params / 16 * 4 / GIB
+    peak = staging + RUNTIME_HOST_GIB
+    with pytest.raises(SpecError) as error:
+        render_run(_llama_70b_fp32_adamw("4x4"))
+    (refusal,) = [e for e in error.value.errors if e.field == "spec.tpu.topology"]
+    assert refusal.reason.startswith(
+        f"meta-llama/Llama-3.1-70B full fine-tune with adamw in float32 needs ~{peak:.0f} GiB of host RAM "
+        f"per host to save a checkpoint (staging {staging:.0f} GiB of its chips' shards + "
+        f"{RUNTIME_HOST_GIB} GiB runtime); a ct5lp-hightpu-4t host has 192 GiB: use a larger topology"
+    ), refusal.reason
+    for lever in ("training.method: lora", "training.optimizer: adafactor", "model.dtype: bfloat16"):
+        assert lever in refusal.reason
+    # Twice the hosts share the state: 99 GiB + 12 fits in 192.
+    assert render_run(_llama_70b_fp32_adamw("4x8")).shape.hosts == 8
+
+
+def test_a_spec_just_under_its_hosts_ram_is_accepted() -> None:
+    # Qwen2.5 14B, float32 AdamW on one 4-chip v5e host: 12 B x 14.77 B = 165 GiB + 12 of 192.
+    obj = with_spec(
+        model={"name": "Qwen/Qwen2.5-14B", "dtype": "float32"},
+        training={"maxSteps": 10, "optimizer": "adamw"},
+    )
+    host = host_memory(parse(obj).spec, render_run(obj).shape, KNOWN_MODELS["Qwen/Qwen2.5-14B"])
+    assert 0.85 * 192 * GIB < host.peak_bytes <= 192 * GIB
+
+
+def test_host_ram_is_checked_only_for_the_models_of_the_built_in_table() -> None:
+    obj = _llama_70b_fp32_adamw("4x4")
+    obj["spec"]["model"]["name"] = "acme/llama-70b-finetuned"  # no config.json to read
+    render_run(obj)
 
 
 def test_cli_renders_yaml_and_json(tmp_path: Any) -> None:

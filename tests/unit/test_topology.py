@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -69,6 +70,37 @@ def test_default_host_size_is_documented(case: tuple[str, str, int]) -> None:
 def test_known_shapes(tpu_type: str, topo: str, chips: int, hosts: int, machine: str) -> None:
     shape = resolve(tpu_type, topo)
     assert (shape.chips_per_slice, shape.hosts_per_slice, shape.machine_type) == (chips, hosts, machine)
+
+
+# Host RAM per machine type, GiB (the sources are in topology.py and docs/topology.md).
+HOST_RAM_GIB = {
+    "ct4p-hightpu-4t": 407,
+    "ct5lp-hightpu-1t": 48,
+    "ct5lp-hightpu-4t": 192,
+    "ct5lp-hightpu-8t": 384,
+    "ct5p-hightpu-4t": 448,
+    "ct6e-standard-1t": 176,
+    "ct6e-standard-4t": 720,
+    "ct6e-standard-8t": 1440,
+    "tpu7x-standard-1t": 240,
+    "tpu7x-standard-4t": 960,  # Google's tpu7x page; GKE's cluster autoscaler says 992
+}
+
+
+def test_every_machine_type_has_its_host_ram() -> None:
+    catalog = {
+        machine: fam.host_ram_gib[chips]
+        for fam in FAMILIES.values()
+        for chips, machine in fam.machine_types.items()
+    }
+    assert catalog == HOST_RAM_GIB
+    assert resolve("v6e", "2x4", chips_per_host=8).host_ram_gib == 1440
+    assert resolve("v5e", "4x4").host_ram_gib == 192
+
+
+def test_a_family_without_the_ram_of_a_machine_type_is_refused() -> None:
+    with pytest.raises(ValueError, match="host_ram_gib"):
+        dataclasses.replace(FAMILIES["v5e"], host_ram_gib={4: 192})
 
 
 def test_2x4_on_one_8_chip_vm() -> None:

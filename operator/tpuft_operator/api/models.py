@@ -538,7 +538,8 @@ class TPUFineTuneSpec(_Spec):
             "Seconds the trainer pods get after SIGTERM (suspend, preemption, a node drain or "
             "maintenance) before SIGKILL: every host saves the step it reached in that time, so it "
             "must hold one training step and one checkpoint save. Default: the operator's setting "
-            "(60 s). A stop whose save took more than half of it shows condition CheckpointSlow."
+            "(60 s). A save that took more than half of it in all (the copy to host memory and the "
+            "write: a stop's save is synchronous) shows condition CheckpointSlow."
         ),
     )
     maintenance: Literal["checkpoint", "ignore"] = Field(
@@ -651,6 +652,21 @@ class Condition(_Spec):
     )
 
 
+MAX_SKIPPED_CHECKPOINTS = 8  # the trainer's bound too (tpuft_trainer/attempt.py MAX_SKIPPED)
+
+
+class SkippedCheckpoint(_Spec):
+    """A checkpoint found at the start of an attempt that it did not resume from."""
+
+    step: int = Field(ge=0, description="Its step.")
+    reason: Annotated[str, StringConstraints(max_length=256)] = Field(
+        description=(
+            "Why it was skipped: incomplete (no completion marker), a shard missing or truncated, e.g. "
+            "`checkpoint-8: shard __0_0.distcp is missing`."
+        )
+    )
+
+
 class AttemptProgress(_Spec):
     """The current attempt of the run (one start of its pods), as its trainer saw it."""
 
@@ -662,7 +678,29 @@ class AttemptProgress(_Spec):
         default=None, ge=0, description="The checkpoint step it resumed from (0: the beginning)."
     )
     checkpoint_seconds: float | None = Field(
-        default=None, ge=0, description="Time it spent saving checkpoints."
+        default=None,
+        ge=0,
+        description=(
+            "Time training waited for saves: each periodic save's copy of the shards to host memory "
+            "(its write runs in the background), all of a stop's save (synchronous)."
+        ),
+    )
+    checkpoint_write_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Time the saves took to write after the copy, in all: mostly in the background, "
+            "overlapping training (not counted as lost time)."
+        ),
+    )
+    skipped_checkpoints: list[SkippedCheckpoint] | None = Field(
+        default=None,
+        max_length=MAX_SKIPPED_CHECKPOINTS,
+        description=(
+            "Checkpoints found at the start but not resumed from (incomplete, or a shard missing or "
+            f"truncated), newest first, at most {MAX_SKIPPED_CHECKPOINTS}; condition CheckpointSkipped "
+            "names them."
+        ),
     )
 
 
@@ -670,7 +708,25 @@ class CheckpointProgress(_Spec):
     """The latest checkpoint the trainer saved."""
 
     step: int | None = Field(default=None, ge=0, description="Its step.")
-    seconds: float | None = Field(default=None, ge=0, description="How long the save took (with upload).")
+    seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "From the step boundary to the checkpoint complete on storage: blockedSeconds + "
+            "writeSeconds. What a stop's save (synchronous) would take; compared with the grace period "
+            "(condition CheckpointSlow)."
+        ),
+    )
+    blocked_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="How long training waited for it: the copy of the shards to host memory (a stop's save: all of it).",
+    )
+    write_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="How long its write took after the copy (in the background for a periodic save).",
+    )
     reason: Annotated[str, StringConstraints(max_length=64)] | None = Field(
         default=None, description="periodic, SIGTERM, or checkpoint request <n> (maintenance)."
     )
@@ -718,7 +774,14 @@ class LostTime(_Spec):
     startup_seconds: float = Field(
         default=0.0, ge=0, description="Pod start to first step, every attempt: image, model load, compile."
     )
-    checkpoint_seconds: float = Field(default=0.0, ge=0, description="Saving checkpoints.")
+    checkpoint_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Time training waited for saves: a periodic save's copy to host memory (its write runs "
+            "in the background), a stop's save in full, and the final save of a success."
+        ),
+    )
     redone_seconds: float = Field(
         default=0.0, ge=0, description="Steps done again after a restart (past the checkpoint resumed from)."
     )
@@ -741,7 +804,14 @@ class GoodputAttempt(_Spec):
     end_time: datetime = Field(description="The attempt's last report (its end, once another started).")
     resumed_from_step: int = Field(default=0, ge=0, description="Checkpoint step it resumed from.")
     last_step: int = Field(default=0, ge=0, description="The last step it reported.")
-    checkpoint_seconds: float = Field(default=0.0, ge=0, description="Time it spent saving.")
+    checkpoint_seconds: float = Field(
+        default=0.0, ge=0, description="Time training waited for its saves (counted as lost)."
+    )
+    checkpoint_write_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Time its saves took to write, mostly in the background (informational, not lost).",
+    )
 
 
 class Goodput(_Spec):

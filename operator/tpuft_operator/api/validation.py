@@ -7,6 +7,12 @@ what CEL cannot check cheaply: URI formats, reserved names). So `tpuft render` r
 the apiserver rejects, and a little more, with the same kind of message: the field, then the reason.
 `parse_run` (of a dict) and `validate_run` (of a model) return a `ValidatedRun` instead: the run and
 the TPU slice shape validation resolved, which the renderer uses rather than resolving it again.
+
+One rule needs the model: a host (TPU VM) must hold its share of a checkpoint in RAM while saving it.
+The operator cannot read a model's config.json, so the rule applies to the models of `tpuft plan`'s
+built-in table (plan.KNOWN_MODELS) and is computed there (`plan.host_ram_refusal`); this module
+imports plan, never the reverse (plan imports only api.models and topology), so there is no cycle.
+`tpuft plan` parses with ``check_host_ram=False`` to show the whole estimate of such a spec instead.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tpuft_operator import plan
 from tpuft_operator.api.cel import (
     ASSISTANT_ONLY_MESSAGE,
     COMPILATION_CACHE_MESSAGE,
@@ -144,11 +151,12 @@ class ValidatedRun:
     shape: SliceShape
 
 
-def parse_run(obj: dict[str, Any]) -> ValidatedRun:
+def parse_run(obj: dict[str, Any], *, check_host_ram: bool = True) -> ValidatedRun:
     """A validated TPUFineTune from a dict, with its slice shape, or `SpecError` listing every problem.
 
     Strict types, as the apiserver's schema: "yes" is not a boolean, "3" not an integer. The status
-    (timestamps as strings) is not needed to render and is left out."""
+    (timestamps as strings) is not needed to render and is left out. ``check_host_ram=False`` skips
+    the host-RAM rule (for `tpuft plan`, which shows that estimate in full)."""
     try:
         ft = TPUFineTune.model_validate({k: v for k, v in obj.items() if k != "status"}, strict=True)
     except ValidationError as error:
@@ -157,16 +165,16 @@ def parse_run(obj: dict[str, Any]) -> ValidatedRun:
     name = ft.metadata.name
     if len(name) > 253 or not re.match(DNS_SUBDOMAIN, name):
         errors.append(FieldError("metadata.name", f"{name!r} is not a lowercase RFC 1123 subdomain"))
-    spec_errors, shape = _check(ft.spec)
+    spec_errors, shape = _check(ft.spec, check_host_ram=check_host_ram)
     errors += spec_errors
     if errors or shape is None:  # no shape means a spec.tpu error in the list
         raise SpecError.of(errors)
     return ValidatedRun(ft, shape)
 
 
-def parse(obj: dict[str, Any]) -> TPUFineTune:
+def parse(obj: dict[str, Any], *, check_host_ram: bool = True) -> TPUFineTune:
     """A validated TPUFineTune from a dict, or `SpecError` listing every problem (see `parse_run`)."""
-    return parse_run(obj).finetune
+    return parse_run(obj, check_host_ram=check_host_ram).finetune
 
 
 def validate_run(ft: TPUFineTune) -> ValidatedRun:
@@ -198,7 +206,9 @@ def validate(spec: TPUFineTuneSpec) -> list[FieldError]:
     return _check(spec)[0]
 
 
-def _check(spec: TPUFineTuneSpec) -> tuple[list[FieldError], SliceShape | None]:
+def _check(
+    spec: TPUFineTuneSpec, *, check_host_ram: bool = True
+) -> tuple[list[FieldError], SliceShape | None]:
     """`validate`'s errors, and the slice shape spec.tpu resolves to (None when it does not)."""
     errors: list[FieldError] = []
     tpu = spec.tpu
@@ -214,6 +224,7 @@ def _check(spec: TPUFineTuneSpec) -> tuple[list[FieldError], SliceShape | None]:
         )
 
     mesh = spec.fsdp.mesh
+    before_mesh = len(errors)
     if shape is not None and mesh is not None:
         chips = shape.chips_per_slice
         others = mesh.tensor * mesh.data
@@ -232,6 +243,11 @@ def _check(spec: TPUFineTuneSpec) -> tuple[list[FieldError], SliceShape | None]:
                     f"tensor x data = {others} does not divide the {chips} chips of a {tpu.topology} slice",
                 )
             )
+    if check_host_ram and shape is not None and len(errors) == before_mesh:
+        # A host must hold its chips' share of a checkpoint (plan.py: known models only).
+        refusal = plan.host_ram_refusal(spec, shape)
+        if refusal is not None:
+            errors.append(FieldError("spec.tpu.topology", refusal))
 
     training = spec.training
     if (training.max_steps is None) == (training.epochs is None):
