@@ -6,6 +6,7 @@ observations; one process covers every assertion about its configuration.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 import traceback
@@ -363,6 +364,62 @@ def compat_needed() -> dict[str, Any]:
     return found
 
 
+def sharded_load() -> dict[str, Any]:
+    """loading.load_model on a fsdp=2 x tensor=2 mesh, from a local directory and from the Hugging Face
+    cache by hub id (offline), against from_pretrained on the CPU; and a directory without
+    safetensors, which falls back to from_pretrained."""
+    import torch
+    import torch_xla
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    from tpuft_trainer import loading
+    from tpuft_trainer import mesh as mesh_module
+    from tpuft_trainer.config import MeshConfig, ModelSource
+
+    use_mesh(mesh_module.build_mesh(mesh_module.plan_mesh(MeshConfig(fsdp=2, tensor=2), 4)))
+    root = Path(tempfile.mkdtemp())
+    local = tiny.save_model_dir(root / "llama")
+    reference = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32, use_cache=False)
+    ids = torch.randint(0, tiny.VOCAB_SIZE, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+
+    def check(name: str, location: str) -> dict[str, Any]:
+        loaded = loading.load_model(ModelSource(name=name, dtype="float32"), location)
+        model = loaded.model
+        on_device = next(model.parameters()).device.type == "xla"
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(torch_xla.device()) if on_device else ids).logits.cpu()
+        rotary = model.model.rotary_emb.inv_freq.cpu()
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        return {
+            "sharded": loaded.sharded,
+            "why": loaded.why,
+            "tensor_parallel_weights": loaded.tensor_parallel_weights,
+            "max_logit_difference": float((logits - expected).abs().max()),
+            "rotary_equal": bool(torch.equal(rotary, reference.model.rotary_emb.inv_freq)),
+            "q_proj_spec": torch_xla._XLAC._get_xla_sharding_spec(q_proj) if on_device else "",
+        }
+
+    found = {"local": check(str(local), str(local))}
+    # The hub: the same files in a Hugging Face cache, read offline by repo id.
+    cache = root / "hub"
+    revision = "0" * 40
+    snapshot = cache / "models--tpuft-test--tiny-llama" / "snapshots" / revision
+    shutil.copytree(local, snapshot)
+    (cache / "models--tpuft-test--tiny-llama" / "refs").mkdir()
+    (cache / "models--tpuft-test--tiny-llama" / "refs" / "main").write_text(revision)
+    constants.HF_HUB_CACHE = str(cache)
+    found["hub"] = check("tpuft-test/tiny-llama", "tpuft-test/tiny-llama")
+    bin_only = root / "bin-only"  # weights in a pickle (older repositories): no slices to read
+    bin_only.mkdir()
+    reference.config.save_pretrained(bin_only)
+    torch.save(reference.state_dict(), bin_only / "pytorch_model.bin")
+    found["bin_only"] = check(str(bin_only), str(bin_only))
+    return found
+
+
 def late_spmd() -> dict[str, Any]:
     """use_fsdp_v2() after an XLA tensor exists is refused (torch_xla would silently replicate it)."""
     import torch
@@ -385,7 +442,16 @@ def twice() -> dict[str, Any]:
 
 CASES = {
     f.__name__: f
-    for f in (stock_llama, llama_only, families, compat_needed, late_spmd, twice, optimum_tutorial)
+    for f in (
+        stock_llama,
+        llama_only,
+        families,
+        compat_needed,
+        late_spmd,
+        twice,
+        optimum_tutorial,
+        sharded_load,
+    )
 }
 
 if __name__ == "__main__":

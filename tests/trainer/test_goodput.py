@@ -15,7 +15,7 @@ from runs import full, losses, metrics, write_config
 from spmd import Pool, Proc, run_together, run_train
 
 from tpuft_trainer.exit_codes import ExitCode
-from tpuft_trainer.stop import GlooChannel, LocalChannel, StopCoordinator, read_request
+from tpuft_trainer.stop import Decision, GlooChannel, LocalChannel, StopCoordinator, read_request
 from tpuft_trainer.storage import COMPLETE
 
 pytestmark = pytest.mark.trainer
@@ -160,21 +160,49 @@ def test_checkpoint_requests_are_saved_once_each_and_sigterm_stops(tmp_path: Pat
     request = tmp_path / "checkpoint-request"
     coordinator = StopCoordinator(LocalChannel(), request, exit_now=lambda code: None)
     coordinator.training_started()
-    assert coordinator.at_step_boundary().save is False  # no file yet
+    assert coordinator.at_step_boundary(1).save is False  # no file yet
     request.write_text("")
-    assert coordinator.at_step_boundary().save is False  # the annotation is absent
+    assert coordinator.at_step_boundary(2).save is False  # the annotation is absent
     request.write_text("1733083200\n")
-    first = coordinator.at_step_boundary()
+    first = coordinator.at_step_boundary(3)
     assert (first.save, first.stop, first.reason) == (True, False, "checkpoint request 1733083200")
-    assert coordinator.at_step_boundary().save is False  # handled
+    assert coordinator.at_step_boundary(4).save is False  # handled
     request.write_text("not a number")
-    assert coordinator.at_step_boundary().save is False
+    assert coordinator.at_step_boundary(5).save is False
     request.write_text("1733090000")
-    assert coordinator.at_step_boundary().save is True  # a newer request
+    assert coordinator.at_step_boundary(6).save is True  # a newer request
     coordinator._on_sigterm(15, None)
-    decision = coordinator.at_step_boundary()
-    assert (decision.save, decision.stop, decision.reason) == (True, True, "SIGTERM")
+    decision = coordinator.at_step_boundary(7)
+    assert (decision.save, decision.stop, decision.reason, decision.resume_step) == (True, True, "SIGTERM", 7)
     assert coordinator.decided == decision
+
+
+def signalled() -> StopCoordinator:
+    """A coordinator that got SIGTERM once training had started."""
+    coordinator = StopCoordinator(LocalChannel(), exit_now=lambda code: None)
+    coordinator.training_started()
+    coordinator._on_sigterm(15, None)
+    assert coordinator.terminated_at is not None
+    return coordinator
+
+
+def test_a_sigterm_while_the_last_save_writes_stops_at_it_without_another_save() -> None:
+    in_flight = lambda moment: 4  # noqa: E731  (the save of step 4 was writing when the signal came)
+    # At the boundary right after that save (agreed at once): finish it, stop there, one step redone.
+    decision = signalled().at_step_boundary(5, immediate=True, last_save=4, in_flight_at=in_flight)
+    assert (decision.save, decision.stop, decision.resume_step) == (False, True, 4)
+    # Right after its staging: no step lost at all.
+    assert signalled().after_save_staged(4) == decision.__class__(stop=True, reason="SIGTERM", resume_step=4)
+    # An agreement read a step late would lose two steps: save the step reached instead.
+    late = signalled().at_step_boundary(5, immediate=False, last_save=4, in_flight_at=in_flight)
+    assert (late.save, late.stop, late.resume_step) == (True, True, 5)
+    # A save long done (nothing writing when the signal came): save the step reached.
+    done = signalled().at_step_boundary(5, immediate=True, last_save=4, in_flight_at=lambda moment: None)
+    assert (done.save, done.stop, done.resume_step) == (True, True, 5)
+    # Not signalled: nothing, even right after a save.
+    quiet = StopCoordinator(LocalChannel(), exit_now=lambda code: None)
+    assert quiet.at_step_boundary(5, immediate=True, last_save=4, in_flight_at=in_flight) == Decision()
+    assert quiet.after_save_staged(4) == Decision()
 
 
 def test_sigterm_before_the_first_step_exits_at_once() -> None:
@@ -187,7 +215,8 @@ def test_sigterm_before_the_first_step_exits_at_once() -> None:
 
 def test_the_gloo_channel_agrees_one_boundary_later_on_every_rank() -> None:
     """Two ranks of a real gloo group (threads of this process): a flag raised on rank 1 at boundary
-    k is what both ranks read at boundary k+1, so they act at the same step."""
+    k is what both ranks read at boundary k+1, so they act at the same step; an immediate round reads
+    its own values and any not yet read."""
     port = free_port()
     seen: dict[int, list[tuple[int, int]]] = {}
 
@@ -197,6 +226,9 @@ def test_the_gloo_channel_agrees_one_boundary_later_on_every_rank() -> None:
         for boundary in range(4):
             mine = (1, 0) if (index == 1 and boundary == 1) else (0, 7 if index == 0 and boundary == 2 else 0)
             values.append(channel.exchange(mine))
+        values.append(channel.exchange_now((0, 9) if index == 1 else (0, 0)))  # reads boundary 3 too
+        values.append(channel.exchange_now((2, 0) if index == 0 else (0, 0)))
+        values.append(channel.exchange((0, 0)))  # nothing pending: the next lagged round starts afresh
         channel.close()
         seen[index] = values
 
@@ -205,4 +237,4 @@ def test_the_gloo_channel_agrees_one_boundary_later_on_every_rank() -> None:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    assert seen[0] == seen[1] == [(0, 0), (0, 0), (1, 0), (0, 7)], seen
+    assert seen[0] == seen[1] == [(0, 0), (0, 0), (1, 0), (0, 7), (0, 9), (2, 0), (0, 0)], seen

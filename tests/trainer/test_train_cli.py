@@ -108,31 +108,50 @@ def test_full_fine_tune(pool: Pool) -> None:
     assert record["checkpointed_blocks"] == 2
     compiles = {int(k): v for k, v in record["compiles_after_step"].items()}
     saves = {int(k): v for k, v in record["compiles_after_save"].items()}
-    # No new graphs after warm-up: the first save (step 4) compiles its gathers, one graph per group
-    # of tensors; the second compiles nothing (without compat's grouped copies it compiled one graph
-    # per sharded tensor again, at every save).
-    assert compiles[3] == compiles[4] and saves[4] - compiles[4] <= 4, (compiles, saves)
-    assert saves[4] == compiles[5] == compiles[8] == saves[8], (compiles, saves)
+    # No new graphs after warm-up, and none for a save: a checkpoint copies each device's shards as
+    # they are (the gathers the final export compiles come after training).
+    assert compiles[3] == compiles[4] == saves[4] == compiles[5] == compiles[8] == saves[8], (compiles, saves)
+    # The model went onto the mesh slice by slice; the periodic save wrote in the background.
+    assert record["model_load"]["sharded"] is True and record["model_load"]["weights_from"] == "source"
+    periodic, final = record["attempt"]["checkpoints"]
+    assert (periodic["step"], periodic["reason"], final["step"], final["reason"]) == (
+        4,
+        "periodic",
+        8,
+        "final",
+    )
+    assert final["blocked_seconds"] == pytest.approx(
+        final["seconds"], abs=0.01
+    )  # the last save is synchronous
+    assert set(record["peak_rss"]) == {"load", "train", "export", "process"}
 
 
 def test_final_model_and_checkpoints_reload_exactly(pool: Pool) -> None:
     import torch
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tpuft_trainer.checkpoint import layout
+    from tpuft_trainer.checkpoint.manager import quiet
+
     proc, output = pool.get("train:full")
     assert proc.returncode == 0, proc.tail()
-    assert {"checkpoint-4", "checkpoint-8", "config.json", "model.safetensors", "tokenizer.json"} <= {
+    assert {"checkpoint-4", "checkpoint-8", "config.json", "generation_config.json", "model.safetensors"} <= {
         p.name for p in output.iterdir()
     }
-    final, last = (
-        load_file(output / "model.safetensors"),
-        load_file(output / "checkpoint-8" / "model.safetensors"),
-    )
-    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    assert "tokenizer.json" in {p.name for p in output.iterdir()}
+    final = load_file(output / "model.safetensors")
+    # The last checkpoint (sharded DCP) holds the same weights the export streamed.
+    assert layout.inspect(layout.Store(str(output)), "checkpoint-8").resumable
+    last: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in final.items()}}
+    with quiet():
+        dcp.load(last, checkpoint_id=str(output / "checkpoint-8"))
+    assert all(torch.equal(final[k], last["model"][k]) for k in final)
     model = AutoModelForCausalLM.from_pretrained(output)
-    assert model.config.hidden_size == 64
+    assert model.config.hidden_size == 64 and model.config.use_cache is True
     state = model.state_dict()
+    assert sorted(final) == sorted(state)  # every tensor (the tiny Llama ties nothing)
     assert all(torch.equal(state[k], final[k]) for k in final)
     assert not torch.equal(
         final["model.embed_tokens.weight"],

@@ -387,41 +387,22 @@ def test_chat_rows_use_the_chat_template(tmp_path: Path) -> None:
 
 
 # ---- output storage -------------------------------------------------------------------------------
-def test_uri_output_round_trip_resumes_only_complete_checkpoints(tmp_path: Path) -> None:
+def test_a_uri_output_gets_the_local_files_but_not_checkpoints_and_a_marker_last(tmp_path: Path) -> None:
     from tpuft_trainer import storage
 
     local = tmp_path / "local"
-    for step in (2, 4):
-        (local / f"checkpoint-{step}").mkdir(parents=True)
-        (local / f"checkpoint-{step}" / "trainer_state.json").write_text(str(step))
-        storage.mark_complete(local / f"checkpoint-{step}")  # what rank 0 does after the Trainer's save
-    (local / "checkpoint-6").mkdir()  # a save cut off by SIGKILL: every file may be there, no marker
-    (local / "checkpoint-6" / "trainer_state.json").write_text("6")
-    (local / "model.safetensors").write_text("final")
+    (local / "checkpoint-4").mkdir(parents=True)  # written to the output directly, never uploaded
+    (local / "checkpoint-4" / "trainer_state.json").write_text("4")
+    (local / "config.json").write_text("{}")
+    (local / "tensorboard").mkdir()
+    (local / "tensorboard" / "events").write_text("e")
     uri = f"file://{tmp_path / 'remote'}"
-    storage.upload(local / "checkpoint-2", uri, "checkpoint-2")
-    storage.upload(local / "checkpoint-4", uri, "checkpoint-4")
     storage.upload(local, uri)
     remote = tmp_path / "remote"
-    assert (remote / "model.safetensors").read_text() == "final"
-    assert (remote / "checkpoint-4" / "trainer_state.json").read_text() == "4"
-    assert (remote / "checkpoint-4" / storage.COMPLETE).exists()
-    assert not (remote / "checkpoint-6").exists()  # checkpoints inside a directory are not uploaded
-    (remote / "checkpoint-6").mkdir()  # an interrupted upload: no marker
-    (remote / "checkpoint-6" / "trainer_state.json").write_text("6")
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    got = storage.fetch_latest_checkpoint(uri, fresh)
-    assert got == fresh / "checkpoint-4" and (got / "trainer_state.json").read_text() == "4"
-    assert storage.latest_local_checkpoint(local) == local / "checkpoint-4"
-    # Buckets written by earlier versions carry the old marker, still honoured.
-    (remote / "checkpoint-3").mkdir()
-    (remote / "checkpoint-3" / ".tpuft-uploaded").write_text("ok")
-    (remote / "checkpoint-4" / storage.COMPLETE).unlink()
-    assert storage.fetch_latest_checkpoint(uri, fresh) == fresh / "checkpoint-3"
-    # Before resuming from 4, the cut-off save is removed (the Trainer would save into it again).
-    assert storage.remove_incomplete_checkpoints(local, after_step=4) == ["checkpoint-6"]
-    assert sorted(p.name for p in local.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in remote.iterdir()) == [storage.COMPLETE, "config.json", "tensorboard"]
+    assert (remote / "tensorboard" / "events").read_text() == "e"
+    assert storage.local_dir(uri) != storage.local_dir(uri + "-other")
+    assert storage.local_dir(str(local)) == local
 
 
 def test_the_request_file_is_found_next_to_the_config_wherever_the_volume_is_mounted(tmp_path: Path) -> None:

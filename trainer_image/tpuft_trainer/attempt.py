@@ -1,5 +1,6 @@
 """What this attempt of the run did, in time: when its process started, when its first step was done,
-which step it resumed from, and each checkpoint save (step, seconds, why).
+which step it resumed from, which checkpoints it skipped, and each checkpoint save (step, how long
+training waited for it, how long it took to write, why).
 
 Rank 0 reports it in ``status.progress.attempt`` and ``status.progress.lastCheckpoint``; the operator
 folds the attempts of a run into ``status.goodput`` (productive time against what was lost to
@@ -11,7 +12,6 @@ pods' start times; durations from the monotonic clock.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,18 +40,34 @@ def _timestamp(moment: datetime) -> str:
 @dataclass(frozen=True)
 class CheckpointSave:
     step: int
-    seconds: float
-    reason: str  # "periodic", "SIGTERM", "checkpoint request <n>"
+    blocked_seconds: float  # training waited this long: the staging copy, or all of a synchronous save
+    write_seconds: float  # the write after the staging (in the background for a periodic save)
+    seconds: float  # from the save's start to the checkpoint complete on storage
+    reason: str  # "periodic", "final", "SIGTERM", "checkpoint request <n>"
     time: datetime
 
     def to_status(self, grace_seconds: float) -> dict[str, Any]:
         return {
             "step": self.step,
             "seconds": round(self.seconds, 2),
+            "blockedSeconds": round(self.blocked_seconds, 2),
+            "writeSeconds": round(self.write_seconds, 2),
             "reason": self.reason,
             "graceSeconds": grace_seconds,
             "time": _timestamp(self.time),
         }
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    step: int
+    reason: str
+
+    def to_status(self) -> dict[str, Any]:
+        return {"step": self.step, "reason": self.reason[:256]}
+
+
+MAX_SKIPPED = 8  # the API's bound on status.progress.attempt.skippedCheckpoints
 
 
 @dataclass
@@ -61,24 +77,29 @@ class Attempt:
     grace_seconds: float = 60.0
     first_step_at: datetime | None = None
     saves: list[CheckpointSave] = field(default_factory=list)
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC), repr=False)
-    _step_ended: float | None = field(default=None, repr=False)
 
     def step_ended(self) -> None:
-        """Called at every step boundary; a save that follows is timed from here."""
-        self._step_ended = time.monotonic()
+        """Called at every step boundary."""
         if self.first_step_at is None:
             self.first_step_at = self.clock()
 
-    def checkpoint_saved(self, step: int, reason: str) -> CheckpointSave:
-        seconds = time.monotonic() - self._step_ended if self._step_ended is not None else 0.0
-        save = CheckpointSave(step, seconds, reason, self.clock())
+    def checkpoint_saved(
+        self, step: int, reason: str, *, blocked_seconds: float, write_seconds: float, seconds: float
+    ) -> CheckpointSave:
+        save = CheckpointSave(step, blocked_seconds, write_seconds, seconds, reason, self.clock())
         self.saves.append(save)
         return save
 
     @property
     def checkpoint_seconds(self) -> float:
-        return sum(save.seconds for save in self.saves)
+        """Time training waited for saves (what goodput counts as lost)."""
+        return sum(save.blocked_seconds for save in self.saves)
+
+    @property
+    def checkpoint_write_seconds(self) -> float:
+        return sum(save.write_seconds for save in self.saves)
 
     def to_status(self) -> dict[str, Any]:
         """``status.progress`` fields (camelCase, as in the API)."""
@@ -87,6 +108,10 @@ class Attempt:
                 "startTime": _timestamp(self.started_at),
                 "resumedFromStep": self.resumed_from_step,
                 "checkpointSeconds": round(self.checkpoint_seconds, 2),
+                "checkpointWriteSeconds": round(self.checkpoint_write_seconds, 2),
+                # Always sent: a merge patch keeps what it leaves out, and an earlier attempt's
+                # skipped checkpoints are not this one's.
+                "skippedCheckpoints": [s.to_status() for s in self.skipped[:MAX_SKIPPED]],
             }
         }
         if self.first_step_at is not None:
@@ -105,8 +130,17 @@ class Attempt:
             "first_step_at": _timestamp(self.first_step_at) if self.first_step_at else None,
             "startup_seconds": round(startup, 2) if startup is not None else None,
             "resumed_from_step": self.resumed_from_step,
+            "skipped_checkpoints": [{"step": s.step, "reason": s.reason} for s in self.skipped],
             "checkpoint_seconds": round(self.checkpoint_seconds, 2),
+            "checkpoint_write_seconds": round(self.checkpoint_write_seconds, 2),
             "checkpoints": [
-                {"step": s.step, "seconds": round(s.seconds, 2), "reason": s.reason} for s in self.saves
+                {
+                    "step": s.step,
+                    "blocked_seconds": round(s.blocked_seconds, 3),
+                    "write_seconds": round(s.write_seconds, 3),
+                    "seconds": round(s.seconds, 3),
+                    "reason": s.reason,
+                }
+                for s in self.saves
             ],
         }

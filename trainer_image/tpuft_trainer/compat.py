@@ -70,7 +70,8 @@ def _is_spmd_fsdp(model: Any) -> bool:
 GATHER_GROUP_BYTES = 1 << 30
 
 
-def _is_sharded(tensor: Any) -> bool:
+def is_sharded(tensor: Any) -> bool:
+    """Whether an XLA tensor is split over devices (not replicated, not unannotated)."""
     import torch_xla
 
     return torch_xla._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
@@ -92,7 +93,7 @@ def cpu_copies(tensors: list[Any]) -> list[Any]:
     ready = list(tensors)
     if mesh is None:  # no SPMD mesh: nothing is sharded
         return list(torch_xla._XLAC._xla_get_cpu_tensors(ready))
-    sharded = [i for i, t in enumerate(tensors) if _is_sharded(t)]
+    sharded = [i for i, t in enumerate(tensors) if is_sharded(t)]
     groups: list[list[int]] = [[]]
     size = 0
     for i in sharded:
@@ -126,6 +127,17 @@ def gather_state_dict(model: Any) -> dict[str, Any]:
     return {_strip_wrapper_prefixes(key): copies.get(i, value) for i, (key, value) in enumerate(items)}
 
 
+def gather_trainable_state(model: Any) -> dict[str, Any]:
+    """CPU copies of the trainable parameters only, with the original names (for LoRA: the adapter,
+    a few MB, rather than the whole base model). Every process must call it (a collective)."""
+    import torch_xla
+
+    torch_xla.sync()
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    copies = cpu_copies([param.detach() for _, param in named])
+    return {_strip_wrapper_prefixes(name): copy for (name, _), copy in zip(named, copies, strict=True)}
+
+
 def _is_peft(module: Any) -> bool:
     from peft import PeftModel
 
@@ -141,7 +153,11 @@ def save_peft_adapter(peft_model: Any, state: dict[str, Any], output_dir: str) -
     base model). So peft gets the names as it sees them, and the file is rewritten with plain names."""
     from safetensors.torch import load_file, save_file
 
-    as_peft_sees_them = {key: state[_strip_wrapper_prefixes(key)] for key in peft_model.state_dict()}
+    as_peft_sees_them = {
+        key: state[_strip_wrapper_prefixes(key)]
+        for key in peft_model.state_dict()
+        if _strip_wrapper_prefixes(key) in state
+    }
     peft_model.save_pretrained(output_dir, state_dict=as_peft_sees_them, safe_serialization=True)
     path = os.path.join(output_dir, "adapter_model.safetensors")
     adapter = load_file(path)
@@ -275,11 +291,13 @@ def _save_reloadable(original: Callable[..., Any]) -> Callable[..., Any]:
         import torch
 
         output_dir = output_dir if output_dir is not None else args.output_dir
-        state = gather_state_dict(model)  # on every process: it is a collective
+        peft = _is_peft(model.module)
+        # On every process: gathering is a collective. A LoRA model's adapter is all peft writes.
+        state = gather_trainable_state(model) if peft else gather_state_dict(model)
         if args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             torch.save(args, os.path.join(output_dir, "training_args.bin"))
-            if _is_peft(model.module):
+            if peft:
                 save_peft_adapter(model.module, state, output_dir)
             else:
                 model.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)

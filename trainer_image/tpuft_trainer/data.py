@@ -82,7 +82,7 @@ def model_location(source: ModelSource) -> str:
     return source.name
 
 
-def _hub_errors(error: Exception, what: str) -> Exception:
+def hub_errors(error: Exception, what: str) -> Exception:
     """Map hub/loading errors to the exit-code exceptions."""
     name = type(error).__name__
     if name in {"GatedRepoError"} or "401" in str(error) or "403" in str(error):
@@ -105,7 +105,7 @@ def load_tokenizer(source: ModelSource, location: str) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, revision=source.revision, token=token(source))
     except Exception as error:
-        raise _hub_errors(error, f"tokenizer of {source.name}") from error
+        raise hub_errors(error, f"tokenizer of {source.name}") from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss either way
     return tokenizer
@@ -125,7 +125,7 @@ def load_model(source: ModelSource, location: str) -> Any:
             use_cache=False,
         )
     except Exception as error:
-        raise _hub_errors(error, f"model {source.name}") from error
+        raise hub_errors(error, f"model {source.name}") from error
 
 
 def _one_split(source: DatasetSource, what: str) -> None:
@@ -167,7 +167,7 @@ def load_rows(source: DatasetSource) -> Any:
     except FileNotFoundError as error:
         raise NotFoundError(f"dataset {name}: not found ({error})") from error
     except Exception as error:
-        mapped = _hub_errors(error, f"dataset {name}")
+        mapped = hub_errors(error, f"dataset {name}")
         if mapped is error:
             raise DataError(f"dataset {name} cannot be loaded: {error}") from error
         raise mapped from error

@@ -103,9 +103,10 @@ def load_reference(config: TrainerConfig, location: str) -> Any | None:
     """The frozen reference for full fine-tuning (None with LoRA: the adapters are disabled instead)."""
     if config.training.method == "lora":
         return None
-    from tpuft_trainer import data
 
-    reference = data.load_model(config.model, location)
+    from tpuft_trainer import loading
+
+    reference = loading.load_model(config.model, location).model
     reference.requires_grad_(False)
     return reference.eval()
 
@@ -161,8 +162,10 @@ def build_trainer(
 ) -> Any:
     from trl import DPOConfig, DPOTrainer
 
+    from tpuft_trainer.checkpoint.hf_trainer import with_sharded_checkpoints
+
     args = DPOConfig(**training_arguments, **arguments(config))
-    trainer = DPOTrainer(
+    trainer = with_sharded_checkpoints(DPOTrainer)(
         model=model,
         ref_model=reference,
         args=args,

@@ -118,10 +118,25 @@ COLUMN_PARALLEL = frozenset(
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 
 
+def tensor_parallel_spec(name: str, param: Any) -> tuple[str, str] | None:
+    """The Megatron-style layout of a decoder projection's weight over ``tensor`` (and ``fsdp``), or
+    None for any other parameter. ``name`` may carry wrapper parts (``_orig_module``, peft's
+    ``base_layer``)."""
+    parts = [part for part in name.split(".") if part not in {"_orig_module", "base_layer"}]
+    if param.dim() != 2 or len(parts) < 2 or parts[-1] != "weight":
+        return None
+    if parts[-2] in COLUMN_PARALLEL:
+        return ("tensor", "fsdp")
+    if parts[-2] in ROW_PARALLEL:
+        return ("fsdp", "tensor")
+    return None
+
+
 def shard_tensor_parallel(model: Any, mesh: Any) -> int:
     """Re-annotate the decoder projections of an FSDPv2-wrapped ``model`` for the ``tensor`` axis.
     Returns how many weights were annotated (0 when the axis has size 1). Run after wrapping and before
-    the first step (train.py does it when training begins), so optimizer state follows the new layout."""
+    the first step (train.py does it when training begins), so optimizer state follows the new layout.
+    (The sharded loader, loading.py, lays them out so from the start.)"""
     import torch_xla.distributed.spmd as xs
 
     sizes = dict(zip(mesh.axis_names or (), mesh.mesh_shape, strict=True))
@@ -129,14 +144,8 @@ def shard_tensor_parallel(model: Any, mesh: Any) -> int:
         return 0
     annotated = 0
     for name, param in model.named_parameters():
-        parts = [part for part in name.split(".") if part not in {"_orig_module", "base_layer"}]
-        if param.dim() != 2 or len(parts) < 2 or parts[-1] != "weight":
-            continue
-        if parts[-2] in COLUMN_PARALLEL:
-            spec: tuple[str, str] = ("tensor", "fsdp")
-        elif parts[-2] in ROW_PARALLEL:
-            spec = ("fsdp", "tensor")
-        else:
+        spec = tensor_parallel_spec(name, param)
+        if spec is None:
             continue
         xs.clear_sharding(param)
         xs.mark_sharding(param, mesh, spec)

@@ -66,8 +66,12 @@ CACHE_DIR_ENV: Final = "TPUFT_CACHE_DIR"
 LOG_LEVEL_ENV: Final = "TPUFT_LOG_LEVEL"
 # Set by tests and chaos drills only; read by train.run: SIGKILL the process at the end of that step.
 FAULT_KILL_AT_STEP_ENV: Final = "TPUFT_FAULT_KILL_AT_STEP"
-# Set by tests and chaos drills only; read by train.run: SIGKILL it in the middle of that step's save.
+# Set by tests and chaos drills only; read by train.run: SIGKILL it in the middle of that step's save
+# (every file written, the completion marker not).
 FAULT_KILL_IN_SAVE_AT_STEP_ENV: Final = "TPUFT_FAULT_KILL_IN_SAVE_AT_STEP"
+# Set by tests and chaos drills only; read by train.run: the process sends itself SIGTERM while that
+# step's periodic save is writing (in the background, as training goes on).
+FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV: Final = "TPUFT_FAULT_SIGTERM_IN_SAVE_AT_STEP"
 # Set by tests and chaos drills only; read by train.run: the process sends itself SIGTERM after that step.
 FAULT_SIGTERM_AT_STEP_ENV: Final = "TPUFT_FAULT_SIGTERM_AT_STEP"
 

@@ -14,8 +14,15 @@ process makes the same calls in the same order (they run the same steps), so eve
 the same agreed values at the same boundary: a host that was not signalled joins the save at that
 boundary, one step after the signal at most. One process alone (one host) needs no channel;
 several use a gloo process group of their own over TCP to the first host (`GlooChannel`), apart
-from XLA's collectives and from torch.distributed's default group (which the Trainer does not
-use under SPMD and must not see initialised).
+from XLA's collectives and from the group checkpoints are written over.
+
+Periodic saves write in the background (checkpoint/manager.py), so a stop may come while one is
+writing. Then the quickest safe stop is to finish that write and end there, rather than train on
+and save again: right after a periodic save is staged, and at the boundary after it, the
+agreement is immediate (a blocking round, where every process is anyway), and a process signalled
+while that save was writing asks to stop at it (``STOP_AT_SAVE_IN_FLIGHT``: the step just trained,
+at most one, is redone after the restart); any other SIGTERM asks for a save of the step reached
+(``SAVE_AND_STOP``, which wins the MAX: no process ever stops short of a save another one needs).
 
 A SIGTERM before the first step of this process has nothing new to save: the process exits at
 once with 143 (the shell's code for SIGTERM), which the operator counts as an ordinary restart.
@@ -49,6 +56,12 @@ class Channel(Protocol):
         channel) or of this one (an immediate one)."""
         ...
 
+    def exchange_now(self, values: tuple[int, int]) -> tuple[int, int]:
+        """Contribute ``values`` and return the agreed values of this call, and of a previous call
+        not yet read (element-wise MAX of both): a blocking round, for the points where waiting one
+        step would cost work (right after a periodic save was staged)."""
+        ...
+
     def close(self, wait: bool = True) -> None: ...
 
 
@@ -56,6 +69,9 @@ class LocalChannel:
     """One process: its own values are the agreed ones, at once."""
 
     def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
+        return values
+
+    def exchange_now(self, values: tuple[int, int]) -> tuple[int, int]:
         return values
 
     def close(self, wait: bool = True) -> None:
@@ -87,16 +103,30 @@ class GlooChannel:
     def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
         import torch
 
-        agreed = (0, 0)
-        if self._pending is not None:
-            work, tensor = self._pending
-            started = time.perf_counter()
-            work.wait()
-            self.wait_seconds += time.perf_counter() - started
-            agreed = (int(tensor[0]), int(tensor[1]))
+        agreed = self._read_pending()
         tensor = torch.tensor(values, dtype=torch.int64)
         self._pending = (self._group.allreduce([tensor], self._options), tensor)
         return agreed
+
+    def exchange_now(self, values: tuple[int, int]) -> tuple[int, int]:
+        import torch
+
+        earlier = self._read_pending()
+        tensor = torch.tensor(values, dtype=torch.int64)
+        started = time.perf_counter()
+        self._group.allreduce([tensor], self._options).wait()
+        self.wait_seconds += time.perf_counter() - started
+        return (max(earlier[0], int(tensor[0])), max(earlier[1], int(tensor[1])))
+
+    def _read_pending(self) -> tuple[int, int]:
+        if self._pending is None:
+            return (0, 0)
+        work, tensor = self._pending
+        self._pending = None
+        started = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - started
+        return (int(tensor[0]), int(tensor[1]))
 
     def close(self, wait: bool = True) -> None:
         """``wait``: for the last exchange, which completes when every process made the same calls
@@ -112,11 +142,17 @@ class GlooChannel:
 
 @dataclass(frozen=True)
 class Decision:
-    """What the run does at a step boundary."""
+    """What the run does at a step boundary. A stop without a save ends at ``resume_step``, the
+    checkpoint that was being written when the signal came (its write is finished first)."""
 
     save: bool = False
     stop: bool = False
     reason: str = ""  # "SIGTERM" or "checkpoint request <n>" (for logs and status)
+    resume_step: int | None = None  # a stop: the step the next start resumes from
+
+
+# What a process contributes for SIGTERM (the channel agrees on the MAX, so "save" wins over "no save").
+NOT_TERMINATED, STOP_AT_SAVE_IN_FLIGHT, SAVE_AND_STOP = 0, 1, 2
 
 
 def read_request(path: Path | None) -> int:
@@ -179,17 +215,60 @@ class StopCoordinator:
     def terminated(self) -> bool:
         return self._terminated.is_set()
 
-    def at_step_boundary(self) -> Decision:
+    def at_step_boundary(
+        self,
+        step: int,
+        *,
+        immediate: bool = False,
+        last_save: int | None = None,
+        in_flight_at: Callable[[float], int | None] = lambda moment: None,
+    ) -> Decision:
+        """The decision at the end of ``step``, the same on every process. ``immediate``: agree now
+        (a blocking round) rather than one step later; every process must pass the same value (the
+        run's saves, the same everywhere, decide it). ``last_save``: the newest checkpoint step
+        saved or being saved; ``in_flight_at(t)``: the step of the save that was writing at
+        monotonic time t, if any."""
         request = read_request(self.request_file)
-        local = (1 if self._terminated.is_set() else 0, request if request > self._handled_request else 0)
-        stop, newest_request = self.channel.exchange(local)
-        if stop:
-            self.decided = Decision(save=True, stop=True, reason="SIGTERM")
+        local = (
+            self._termination(step, immediate, in_flight_at),
+            request if request > self._handled_request else 0,
+        )
+        code, newest_request = (self.channel.exchange_now if immediate else self.channel.exchange)(local)
+        if code:
+            if code == STOP_AT_SAVE_IN_FLIGHT and last_save is not None:
+                self.decided = Decision(stop=True, reason="SIGTERM", resume_step=last_save)
+            else:
+                self.decided = Decision(save=True, stop=True, reason="SIGTERM", resume_step=step)
             return self.decided
         if newest_request > self._handled_request:
             self._handled_request = newest_request
             return Decision(save=True, reason=f"checkpoint request {newest_request}")
         return Decision()
+
+    def after_save_staged(self, step: int) -> Decision:
+        """Right after the staging of a periodic save of ``step`` (a blocking round on every process):
+        a SIGTERM that came meanwhile stops the run at this very save, with no step lost; a checkpoint
+        request that came meanwhile is served by it."""
+        request = read_request(self.request_file)
+        terminated = SAVE_AND_STOP if self._terminated.is_set() else NOT_TERMINATED
+        code, newest_request = self.channel.exchange_now(
+            (terminated, request if request > self._handled_request else 0)
+        )
+        self._handled_request = max(self._handled_request, newest_request)
+        if code:
+            self.decided = Decision(stop=True, reason="SIGTERM", resume_step=step)
+            return self.decided
+        return Decision()
+
+    def _termination(self, step: int, immediate: bool, in_flight_at: Callable[[float], int | None]) -> int:
+        if not self._terminated.is_set() or self.terminated_at is None:
+            return NOT_TERMINATED
+        writing = in_flight_at(self.terminated_at)
+        # Stopping at the save that was writing loses the steps after it: at most the one just done,
+        # and only when the agreement is immediate (a lagged one is read a step later).
+        if immediate and writing is not None and writing >= step - 1:
+            return STOP_AT_SAVE_IN_FLIGHT
+        return SAVE_AND_STOP
 
     def close(self, wait: bool = True) -> None:
         self.channel.close(wait)

@@ -1,7 +1,8 @@
-"""One fine-tuning run, top to bottom: where am I, mesh, model, data, train, save.
+"""One fine-tuning run, top to bottom: where am I, mesh, checkpoints, model, data, train, export.
 
 Every process of the job (every host of every slice) runs this same program: with SPMD they are ONE
-program over all the devices, and only rank 0 writes files that are shared (the output URI, progress).
+program over all the devices. Each process writes its own chunks of every checkpoint and its share
+of the exported model's files; rank 0 writes what is shared (small files, markers, progress).
 """
 
 from __future__ import annotations
@@ -17,18 +18,34 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpuft_trainer import data, dpo, evaluation, fsdp_v2, packing, recipe, storage, throughput
+from tpuft_trainer import (
+    data,
+    dpo,
+    evaluation,
+    export,
+    fsdp_v2,
+    loading,
+    packing,
+    recipe,
+    storage,
+    throughput,
+)
 from tpuft_trainer import mesh as mesh_module
 from tpuft_trainer import stop as stop_module
-from tpuft_trainer.attempt import Attempt, process_start_time
+from tpuft_trainer.attempt import Attempt, SkippedCheckpoint, process_start_time
+from tpuft_trainer.checkpoint import layout
+from tpuft_trainer.checkpoint.hf_trainer import TrainerCheckpoints, with_sharded_checkpoints
+from tpuft_trainer.checkpoint.manager import CheckpointManager, Faults, SaveRecord
+from tpuft_trainer.checkpoint.xla import XlaBackend
 from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
+from tpuft_trainer.errors import ConfigError, PermissionDeniedError, StoppedAfterCheckpoint
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
     FAULT_KILL_AT_STEP_ENV,
     FAULT_KILL_IN_SAVE_AT_STEP_ENV,
     FAULT_SIGTERM_AT_STEP_ENV,
+    FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV,
 )
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
 from tpuft_trainer.world import World, check_runtime, detect_world
@@ -79,8 +96,15 @@ class RunRecord:
     mfu: float | None = None  # an estimate: see throughput.py
     # This attempt in time (attempt.py): start-up, saves; the run's totals are in status.goodput.
     attempt: dict[str, Any] = field(default_factory=dict)
-    # Set when SIGTERM stopped the run after a checkpoint: {step, reason, save_seconds, grace_seconds}.
+    # Set when SIGTERM stopped the run after a checkpoint: {step (resumed from next), trained_to,
+    # steps_lost, reason, save_seconds, grace_seconds, signal_to_exit_seconds}.
     stopped: dict[str, Any] | None = None
+    # How the model was loaded: {sharded, why (when not), seconds}; and the final export's figures.
+    model_load: dict[str, Any] = field(default_factory=dict)
+    export: dict[str, Any] = field(default_factory=dict)
+    # Peak resident memory of this process (bytes) at the end of each part: load, train, export
+    # (Linux VmHWM, reset between parts), and of the whole process.
+    peak_rss: dict[str, int] = field(default_factory=dict)
     # Seconds the stop channel made the steps wait, in all (0 with one process).
     stop_channel_wait_seconds: float = 0.0
 
@@ -128,31 +152,33 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     record.mesh = dict(zip(mesh_module.AXIS_NAMES, shape.shape, strict=True))
     log.info("mesh %s over %d devices, %d process(es)", record.mesh, devices, xr.process_count())
 
-    # 3. Output and resume: the newest complete checkpoint at the output, if any.
-    output = storage.local_dir(config.output.uri)
+    # 3. Output and resume: the newest checkpoint at the output that is complete and whole.
+    output = storage.local_dir(config.output.uri)  # the Trainer's directory (a staging copy for a URI)
     output.mkdir(parents=True, exist_ok=True)
-    resume = storage.fetch_latest_checkpoint(config.output.uri, output)
-    if resume is not None:
-        log.info("resuming from %s (restart attempt %d)", resume, world.restart_attempt)
-    elif world.restart_attempt:
-        log.info(
-            "restart attempt %d but no checkpoint at the output: starting from the beginning",
-            world.restart_attempt,
-        )
+    store = layout.Store(config.output.uri)
+    resume = _resume_point(store, attempt, world.restart_attempt, is_rank_zero)
     record.resumed_from = resume.name if resume else None
-    attempt.resumed_from_step = (storage.checkpoint_step(resume.name) or 0) if resume else 0
-    if is_rank_zero:
-        for name in storage.remove_incomplete_checkpoints(output, attempt.resumed_from_step):
-            log.warning("removed %s: its save was cut off (no completion marker)", name)
-
-    # 4. Model (+ LoRA) and data.
-    location = data.model_location(config.model)
-    tokenizer = data.load_tokenizer(config.model, location)
-    model = data.load_model(config.model, location)
-    if config.dataset.packing and (refusal := packing.packing_refusal(model)):
-        raise ConfigError(refusal)
     training = config.training
     preference = training.objective == "dpo"
+
+    # 4. Model (+ LoRA) and data. The model goes onto the mesh slice by slice (loading.py); a full
+    # fine-tune resuming from a checkpoint skips the source's weights: the checkpoint has them all.
+    memory = _PeakMemory()
+    load_started = time.monotonic()
+    location = data.model_location(config.model)
+    tokenizer = data.load_tokenizer(config.model, location)
+    loaded = loading.load_model(
+        config.model, location, weights=not (resume is not None and training.method == "full")
+    )
+    model = loaded.model
+    record.model_load = {
+        "sharded": loaded.sharded,
+        "why": loaded.why or None,
+        "weights_from": "checkpoint" if resume is not None and training.method == "full" else "source",
+        "seconds": round(time.monotonic() - load_started, 2),
+    }
+    if config.dataset.packing and (refusal := packing.packing_refusal(model)):
+        raise ConfigError(refusal)
     if training.method == "lora" and not preference:  # (trl's DPOTrainer adds the adapter itself)
         from peft import get_peft_model
 
@@ -164,6 +190,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     else:
         dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
         reference = None
+    record.peak_rss["load"] = memory.peak_and_reset()
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
@@ -181,6 +208,22 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         fsdp_args,
         is_rank_zero,
     )
+    # Checkpoints: the manager owns saving and restoring; the Trainer calls it through its own hooks.
+    backend = XlaBackend()
+    manager = CheckpointManager(
+        store,
+        backend,
+        keep=training.keep_checkpoints,
+        faults=Faults(
+            kill_before_marker=int(env.get(FAULT_KILL_IN_SAVE_AT_STEP_ENV, "0") or 0),
+            sigterm_while_writing=int(env.get(FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV, "0") or 0),
+        ),
+    )
+    saves = _SaveLog(attempt, config, stopper, is_rank_zero)
+    checkpoints = TrainerCheckpoints(
+        manager, resume=resume, after_staging=_stop_at_this_save(stopper, manager, saves)
+    )
+    trainer.tpuft_checkpoints = checkpoints
     flops = throughput.model_flops(trainer.model, reference_forward=preference)
     record.reference_sharding = dpo.reference_sharding(trainer)
     record.rows_per_step = global_batch * training.gradient_accumulation_steps
@@ -195,12 +238,12 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     sinks: list[Any] = [LogBar(total_steps), StatusReporter(config.progress)] if is_rank_zero else []
     # The stop callback first: at a boundary where the hosts agree to stop, the final progress
     # report must already carry the save (on_save runs before on_train_end either way).
-    trainer.add_callback(_stop_callback(stopper, attempt, config, env, is_rank_zero))
+    trainer.add_callback(_stop_callback(stopper, attempt, checkpoints, saves, env))
     trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero, details=attempt.to_status))
     # Then, in this order: tensor parallelism re-annotates the parameters before the record reads
     # their sharding; at a save the record counts compiles after the stop callback has marked and
     # uploaded the checkpoint; the test-only fault injection comes last.
-    trainer.add_callback(_tensor_parallel_callback(record))
+    trainer.add_callback(_tensor_parallel_callback(record, laid_out=loaded.tensor_parallel_weights))
     recorder = _run_record_callback(record)
     trainer.add_callback(recorder)
     if is_rank_zero:
@@ -212,11 +255,14 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position); a stop
     # ends here with its checkpoint; else evaluate at the end unless the last step just did.
     try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        trainer.train(resume_from_checkpoint=checkpoints.prepare_resume(trainer, str(output)))
+        saves.record(manager.wait())  # the last save, if one is still writing
     except BaseException:
+        manager.close()
         stopper.close(wait=False)
         raise
     stopper.close()
+    record.peak_rss["train"] = memory.peak_and_reset()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
     _throughput(record, recorder.step_times, counter, flops.per_token(training.max_seq_length))
@@ -230,10 +276,10 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     ):
         trainer.evaluate()
 
-    # 7. The final model in the standard format (compat.reloadable_checkpoint does the gathering).
-    trainer.save_model(str(output))
-    if training.method == "lora" and training.lora and training.lora.save_merged and is_rank_zero:
-        _save_merged(config, location, output)
+    # 7. The final model in the standard format, streamed from the devices group by group (export.py).
+    record.export = _export(trainer, tokenizer, config, store, backend, output, is_rank_zero)
+    record.peak_rss["export"] = memory.peak_and_reset()
+    record.peak_rss["process"] = memory.process_peak
     record.final_step = int(trainer.state.global_step)
     record.seconds = round(time.monotonic() - started, 2)
     if is_rank_zero:
@@ -269,14 +315,18 @@ def _stopped(
     is_rank_zero: bool,
 ) -> None:
     """After a checkpointed stop: record what happened and end the run with its exit code."""
-    step = int(trainer.state.global_step)
-    save = attempt.saves[-1] if attempt.saves else None
+    decided = stopper.decided
+    trained_to = int(trainer.state.global_step)
+    resume_step = decided.resume_step if decided and decided.resume_step is not None else trained_to
+    save = next((s for s in reversed(attempt.saves) if s.step == resume_step), None)
     since_signal = time.monotonic() - stopper.terminated_at if stopper.terminated_at is not None else None
-    record.final_step = step
+    record.final_step = trained_to
     record.seconds = round(time.monotonic() - started, 2)
     record.stopped = {
-        "step": step,
-        "reason": stopper.decided.reason if stopper.decided else "",
+        "step": resume_step,
+        "trained_to": trained_to,
+        "steps_lost": trained_to - resume_step,
+        "reason": decided.reason if decided else "",
         "save_seconds": round(save.seconds, 2) if save else None,
         "grace_seconds": config.stop.grace_seconds,
         # From the signal this process received (None on a host that was not signalled itself).
@@ -284,10 +334,167 @@ def _stopped(
     }
     if is_rank_zero:
         _write_record(record, output)
+    redone = "" if trained_to == resume_step else f"; step {trained_to} will be trained again"
     raise StoppedAfterCheckpoint(
-        f"stopped at step {step} after saving checkpoint-{step} "
-        f"({record.stopped['reason']}); the next start resumes from it"
+        f"stopped at step {trained_to} with checkpoint-{resume_step} complete "
+        f"({record.stopped['reason']}); the next start resumes from it{redone}"
     )
+
+
+def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, is_rank_zero: bool) -> Any:
+    """The checkpoint to resume from (``layout.Found``) or None; records and logs the skipped ones.
+    Rank 0 removes every checkpoint directory newer than it (cut off, or not whole), so no save of
+    this attempt writes into a directory that holds another attempt's files."""
+    try:
+        point = layout.resume_point(store)
+    except PermissionError as error:
+        raise PermissionDeniedError(f"cannot read the output {store.location}: {error}") from error
+    for skipped in point.skipped:
+        log.warning("not resuming from %s at %s: %s", skipped.name, store.url(skipped.name), skipped.problem)
+        attempt.skipped.append(SkippedCheckpoint(skipped.step, f"{skipped.name}: {skipped.problem}"))
+    found = point.checkpoint
+    if found is not None and found.legacy:
+        raise ConfigError(
+            f"{found.name} at {store.url(found.name)} is in the full-file format of an earlier tpuft "
+            "(model.safetensors + optimizer.pt, gathered on every host); this trainer resumes only sharded "
+            "(torch.distributed.checkpoint) checkpoints. To continue from its weights, start a new run with "
+            f"spec.model.name set to {store.url(found.name)} (a standard Hugging Face model directory); to "
+            "start over, use another spec.output.uri or delete its checkpoint-* directories"
+        )
+    if found is not None:
+        log.info("resuming from %s (restart attempt %d)", store.url(found.name), restart_attempt)
+        attempt.resumed_from_step = found.step
+    elif restart_attempt:
+        log.info(
+            "restart attempt %d but no complete checkpoint at the output: starting from the beginning",
+            restart_attempt,
+        )
+    if is_rank_zero:
+        for action in layout.clear_after(store, found.step if found else 0):
+            log.warning("%s", action)
+    return found
+
+
+class _PeakMemory:
+    """Peak resident memory of this process, per part of the run (Linux: VmHWM, reset through
+    /proc/self/clear_refs between parts); 0 where the kernel does not say."""
+
+    def __init__(self) -> None:
+        self.process_peak = 0
+        self.peak_and_reset()
+
+    def peak_and_reset(self) -> int:
+        peak = 0
+        try:
+            with open("/proc/self/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        peak = int(line.split()[1]) * 1024
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+        except (OSError, ValueError):
+            pass
+        self.process_peak = max(self.process_peak, peak)
+        return peak
+
+
+class _SaveLog:
+    """Completed saves into the attempt's record and the log, in the training thread."""
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        config: TrainerConfig,
+        stopper: stop_module.StopCoordinator,
+        is_rank_zero: bool,
+    ) -> None:
+        self.attempt, self.config, self.stopper, self.is_rank_zero = attempt, config, stopper, is_rank_zero
+
+    def record(self, saves: list[SaveRecord]) -> None:
+        for save in saves:
+            self.attempt.checkpoint_saved(
+                save.step,
+                save.reason,
+                blocked_seconds=save.blocked_seconds,
+                write_seconds=save.write_seconds,
+                seconds=save.seconds,
+            )
+            log.info(
+                "saved checkpoint-%d in %.1f s (%s): training waited %.2f s, the write took %.1f s%s",
+                save.step,
+                save.seconds,
+                save.reason,
+                save.blocked_seconds,
+                save.write_seconds,
+                " in the background" if save.reason == "periodic" else "",
+            )
+            grace = self.config.stop.grace_seconds
+            if self.stopper.decided is not None and save.seconds > grace / 2:
+                log.warning(
+                    "the stop's save took %.1f s, more than half the %.0f s grace period: raise "
+                    "spec.terminationGracePeriodSeconds or the next stop may be cut off",
+                    save.seconds,
+                    grace,
+                )
+
+
+def _stop_at_this_save(
+    stopper: stop_module.StopCoordinator, manager: CheckpointManager, saves: _SaveLog
+) -> Any:
+    """After a periodic save's staging: a SIGTERM that came meanwhile ends the run at this save (its
+    write is finished first), with no step lost."""
+
+    def after_staging(trainer: Any, step: int) -> None:
+        decision = stopper.after_save_staged(step)
+        if decision.stop:
+            log.warning("SIGTERM while checkpoint-%d was being saved: finishing it and stopping there", step)
+            trainer.control.should_training_stop = True
+            saves.record(manager.wait())
+
+    return after_staging
+
+
+def _export(
+    trainer: Any,
+    tokenizer: Any,
+    config: TrainerConfig,
+    store: layout.Store,
+    backend: Any,
+    output: Path,
+    is_rank_zero: bool,
+) -> dict[str, Any]:
+    """The final model at the output: a full fine-tune's weights streamed to safetensors files; a LoRA
+    run's adapter (and with lora.save_merged, the merged model streamed the same way under merged/)."""
+    training = config.training
+    if training.method == "lora":
+        trainer.save_model(str(output))  # compat.reloadable_checkpoint: the adapter's weights only
+        if not (training.lora and training.lora.save_merged):
+            return {"adapter": True}
+        peft_model = export.unwrap(trainer.model)
+        merged = export.export_weights(
+            export.merged_tensors(peft_model), _sub_store(store, "merged"), backend
+        )
+        if is_rank_zero:
+            export.write_config(peft_model, output / "merged")
+            tokenizer.save_pretrained(output / "merged")
+        return {"adapter": True, "merged": asdict(merged)}
+    weights = export.export_weights(export.model_tensors(trainer.model), store, backend)
+    if is_rank_zero:
+        export.write_config(trainer.model, output)
+        tokenizer.save_pretrained(output)
+    log.info(
+        "exported %d tensors (%.2f GB) in %d file(s) in %.1f s, at most %.2f GB at a time",
+        weights.tensors,
+        weights.bytes / 1e9,
+        len(weights.files),
+        weights.seconds,
+        weights.largest_group_bytes / 1e9,
+    )
+    return asdict(weights)
+
+
+def _sub_store(store: layout.Store, name: str) -> layout.Store:
+    return layout.Store(store.url(name))
 
 
 def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord) -> tuple[Any, Any]:
@@ -392,7 +599,6 @@ def _build_trainer(
         logging_steps=training.logging_steps,
         save_strategy="steps" if training.save_steps else "no",
         save_steps=training.save_steps or 500,
-        save_total_limit=training.keep_checkpoints,
         seed=training.seed,
         data_seed=training.seed,
         report_to=[],  # TensorBoard through its callback below, writing where we choose
@@ -419,7 +625,7 @@ def _build_trainer(
     # Text and chat alike: the rows are tokenised, labelled (assistant-only loss) and packed (position
     # ids) already, so they are stacked as they are. trl's SFTTrainer would rebuild the position ids
     # and add an attention mask (undoing packing), and it reads metrics to the host every step.
-    return Trainer(
+    return with_sharded_checkpoints(Trainer)(
         model=model,
         args=TrainingArguments(**arguments),
         train_dataset=dataset,
@@ -438,22 +644,25 @@ def _tensorboard(directory: Path) -> Any:
     return TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(directory)))
 
 
-def _tensor_parallel_callback(record: RunRecord) -> Any:
+def _tensor_parallel_callback(record: RunRecord, *, laid_out: int) -> Any:
     """Megatron-style tensor parallelism (``mesh.shard_tensor_parallel``) on the wrapped model, when
     training begins; fills ``record.tensor_parallel_weights``.
 
-    A callback, not part of the mesh set-up in ``run``, because the wrapped model it re-annotates does not
-    exist there: the Trainer wraps the model in FSDPv2 (laying every parameter out along ``fsdp``)
-    inside ``train()``. on_train_begin is the first point after the wrapping where tpuft has the model,
-    and it comes before the first step, so the optimizer's state is created in the new layout. The
-    mesh is the one in force, which the wrapping used (ours: compat.mesh_wins)."""
+    The sharded loader (loading.py) lays the projections out so from the start (``laid_out`` of
+    them), and then this only records it. A model loaded whole (from_pretrained) is re-annotated
+    here: the Trainer wraps the model in FSDPv2 (laying every parameter out along ``fsdp``) inside
+    ``train()``, and on_train_begin is the first point after the wrapping, before the first step, so
+    the optimizer's state is created in the new layout. The mesh is the one in force, which the
+    wrapping used (ours: compat.mesh_wins)."""
     from transformers import TrainerCallback
 
     class TensorParallelCallback(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             import torch_xla.distributed.spmd as xs
 
-            if model is not None:
+            if laid_out:
+                record.tensor_parallel_weights = laid_out
+            elif model is not None:
                 record.tensor_parallel_weights = mesh_module.shard_tensor_parallel(
                     model, xs.get_global_mesh()
                 )
@@ -554,72 +763,49 @@ def _compile_count() -> int:
 def _stop_callback(
     stopper: stop_module.StopCoordinator,
     attempt: Attempt,
-    config: TrainerConfig,
+    checkpoints: TrainerCheckpoints,
+    saves: _SaveLog,
     env: Mapping[str, str],
-    is_rank_zero: bool,
 ) -> Any:
-    """At every step boundary: the stop agreement (stop.py) may ask for a save, and a stop; each
-    save is timed, marked complete and (for a URI output) uploaded before training goes on."""
+    """At every step boundary: saves that finished writing are recorded (a failed background write
+    ends the run here); then the stop agreement (stop.py) may ask for a save, and a stop. A SIGTERM
+    that came while the previous step's periodic save was writing stops the run at that save
+    (finished first) instead of saving again."""
     from transformers import TrainerCallback
 
     sigterm_at = int(env.get(FAULT_SIGTERM_AT_STEP_ENV, "0") or 0)
-    kill_in_save_at = int(env.get(FAULT_KILL_IN_SAVE_AT_STEP_ENV, "0") or 0)
+    manager = checkpoints.manager
 
     class StopCallback(TrainerCallback):
-        def __init__(self) -> None:
-            self.reason = "periodic"
-
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             attempt.step_ended()
             stopper.training_started()
-            if sigterm_at and state.global_step == sigterm_at:
+            saves.record(manager.poll())
+            step = int(state.global_step)
+            if sigterm_at and step == sigterm_at:
                 log.warning("%s=%d: sending this process SIGTERM", FAULT_SIGTERM_AT_STEP_ENV, sigterm_at)
                 os.kill(os.getpid(), signal.SIGTERM)
-            decision = stopper.at_step_boundary()
-            self.reason = decision.reason if decision.save else "periodic"
+            # Agree at once right after a periodic save: a stop then ends at that save.
+            immediate = manager.newest_started is not None and manager.newest_started == step - 1
+            decision = stopper.at_step_boundary(
+                step, immediate=immediate, last_save=manager.newest_started, in_flight_at=manager.in_flight_at
+            )
+            if decision.stop and not decision.save:
+                control.should_save = False
+                control.should_training_stop = True
+                log.warning(
+                    "SIGTERM while checkpoint-%s was being written: finishing it and stopping there "
+                    "(step %d will be trained again after the restart)",
+                    decision.resume_step,
+                    step,
+                )
+                saves.record(manager.wait())
+                return
             if decision.save:
                 control.should_save = True
-                log.info("checkpointing at step %d: %s", state.global_step, decision.reason)
+                checkpoints.reason = decision.reason
+                log.info("checkpointing at step %d: %s", step, decision.reason)
             if decision.stop:
                 control.should_training_stop = True
 
-        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if not is_rank_zero:
-                return
-            name = f"checkpoint-{state.global_step}"
-            local = Path(args.output_dir) / name
-            if kill_in_save_at and state.global_step == kill_in_save_at:
-                log.warning(
-                    "%s=%d: killing this process mid-save", FAULT_KILL_IN_SAVE_AT_STEP_ENV, kill_in_save_at
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
-            storage.mark_complete(local)
-            try:
-                storage.upload(local, config.output.uri, name)
-            except Exception as error:  # the next start cannot see it: say which step is only here
-                log.error(
-                    "%s is only local (%s): upload to %s failed: %s", name, local, config.output.uri, error
-                )
-                raise
-            save = attempt.checkpoint_saved(int(state.global_step), self.reason)
-            grace = config.stop.grace_seconds
-            log.info("saved %s in %.1f s (%s)", name, save.seconds, save.reason)
-            if stopper.decided is not None and save.seconds > grace / 2:
-                log.warning(
-                    "the stop's save took %.1f s, more than half the %.0f s grace period: raise "
-                    "spec.terminationGracePeriodSeconds or the next stop may be cut off",
-                    save.seconds,
-                    grace,
-                )
-
     return StopCallback()
-
-
-def _save_merged(config: TrainerConfig, location: str, output: Path) -> None:
-    """Base + the saved adapter, merged on CPU into a standard model at ``<output>/merged``."""
-    from peft import PeftModel
-
-    base = data.load_model(config.model, location)
-    merged = PeftModel.from_pretrained(base, str(output)).merge_and_unload()
-    merged.save_pretrained(output / "merged")
-    data.load_tokenizer(config.model, location).save_pretrained(output / "merged")

@@ -1,0 +1,364 @@
+"""The checkpoint manager and layout, in process, on plain torch tensors (checkpoint/backend.py's
+TorchBackend): real torch.distributed.checkpoint files on a local path and on fsspec URIs, without
+XLA. What only a real SPMD run can show (XLA shards, resharding, the Trainer's hooks, SIGTERM) is in
+test_checkpoints.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from tpuft_trainer.checkpoint import layout, state
+from tpuft_trainer.checkpoint.backend import TorchBackend
+from tpuft_trainer.checkpoint.manager import CheckpointManager, CheckpointWriteError, quiet
+from tpuft_trainer.errors import ConfigError
+
+pytestmark = pytest.mark.trainer
+
+
+def model_and_optimizer(kind: str = "adamw", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    from transformers.optimization import Adafactor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(dtype)
+    if kind == "adamw":
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:  # as the Trainer configures it
+        optimizer = Adafactor(model.parameters(), lr=1e-2, scale_parameter=False, relative_step=False)
+    return model, optimizer
+
+
+def train_step(model: Any, optimizer: Any, seed: int) -> float:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 8, generator=generator).to(next(model.parameters()).dtype)
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def checkpoint_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    names = state.parameter_names(model)
+    tensors, extras = state.optimizer_state(optimizer, names)
+    return state.stateful_tensors(state.trainable_state(model), tensors), extras
+
+
+def save(
+    manager: CheckpointManager, step: int, model: Any, optimizer: Any, *, blocking: bool = False
+) -> None:
+    tensors, extras = checkpoint_state(model, optimizer)
+    small = {name: b"x" for name in (layout.TRAINER_STATE, layout.SCHEDULER, layout.RNG_STATE)} | {
+        layout.OPTIMIZER_EXTRAS: state.dumps_extras(extras).encode()
+    }
+    manager.save(step, tensors, lambda: small, reason="periodic", blocking=blocking)
+
+
+def restore(manager: CheckpointManager, found: layout.Found, model: Any, optimizer: Any) -> None:
+    names = state.parameter_names(model)
+    manager.backend.prime_optimizer(optimizer)
+    tensors, _ = checkpoint_state(model, optimizer)
+    extras = manager.load(found, tensors)
+    state.restore_extras(optimizer, names, extras)
+
+
+# ---- saving and restoring ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+def test_resume_continues_exactly_as_if_never_stopped(tmp_path: Path, kind: str) -> None:
+    model, optimizer = model_and_optimizer(kind)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
+    for step in (1, 2):
+        train_step(model, optimizer, step)
+    save(manager, 2, model, optimizer)
+    manager.wait()
+    reference = [train_step(model, optimizer, step) for step in (3, 4)]
+
+    again, again_optimizer = model_and_optimizer(kind)  # a new process: fresh weights, no state
+    point = layout.resume_point(layout.Store(str(tmp_path)))
+    assert point.checkpoint is not None and point.checkpoint.name == "checkpoint-2" and not point.skipped
+    restore(
+        CheckpointManager(layout.Store(str(tmp_path)), TorchBackend()),
+        point.checkpoint,
+        again,
+        again_optimizer,
+    )
+    assert [train_step(again, again_optimizer, step) for step in (3, 4)] == reference
+    if kind == "adafactor":  # trap A: the int step is restored, not left at what priming set
+        assert {s["step"] for s in again_optimizer.state.values()} == {4}
+
+
+def test_adafactor_state_keeps_its_float32_factors_for_bfloat16_weights(tmp_path: Path) -> None:
+    """Trap B: optimizer.load_state_dict casts the state to each parameter's dtype; the manager loads
+    in place and never calls it."""
+    model, optimizer = model_and_optimizer("adafactor", torch.bfloat16)
+    train_step(model, optimizer, 1)
+    factors = {
+        k: v.clone() for s in optimizer.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)
+    }
+    assert {v.dtype for v in factors.values()} == {torch.float32}
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
+    save(manager, 1, model, optimizer, blocking=True)
+    again, again_optimizer = model_and_optimizer("adafactor", torch.bfloat16)
+    restore(manager, layout.inspect(manager.store, "checkpoint-1"), again, again_optimizer)
+    loaded = {
+        k: v for s in again_optimizer.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)
+    }
+    assert {v.dtype for v in loaded.values()} == {torch.float32}
+    assert all(torch.equal(loaded[k], factors[k]) for k in factors)
+
+
+def test_a_periodic_save_writes_what_was_staged_while_training_goes_on(tmp_path: Path) -> None:
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    save(manager, 1, model, optimizer)  # returns after the staging copy
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)  # the next steps change the weights in place while it writes
+    records = manager.wait()
+    assert [(r.step, r.reason) for r in records] == [(1, "periodic")]
+    record = records[0]
+    assert record.blocked_seconds <= record.seconds and record.write_seconds <= record.seconds
+    written: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in at_save.items()}}
+    import torch.distributed.checkpoint as dcp
+
+    with quiet():
+        dcp.load(written, checkpoint_id=str(tmp_path / "checkpoint-1"))
+    assert all(torch.equal(written["model"][k], at_save[k]) for k in at_save)
+
+
+def test_one_save_in_flight_a_new_one_waits_for_it(tmp_path: Path) -> None:
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
+    order: list[str] = []
+    original = manager._write
+
+    def slow_write(save: Any) -> None:
+        order.append(f"start {save.step}")
+        time.sleep(0.3)
+        original(save)
+        order.append(f"end {save.step}")
+
+    manager._write = slow_write  # type: ignore[method-assign]
+    save(manager, 1, model, optimizer)
+    assert manager.in_flight() == 1
+    started = time.monotonic()
+    assert manager.in_flight_at(started) == 1
+    save(manager, 2, model, optimizer)  # waits for checkpoint-1's write before staging
+    assert order[:2] == ["start 1", "end 1"]
+    assert [r.step for r in manager.wait()] == [1, 2]
+    assert manager.in_flight() is None and manager.in_flight_at(time.monotonic()) is None
+    assert manager.in_flight_at(started) == 1  # what a SIGTERM at that moment would have seen
+    assert [layout.inspect(manager.store, f"checkpoint-{s}").resumable for s in (1, 2)] == [True, True]
+
+
+def test_a_checkpoint_from_another_model_is_a_clear_error(tmp_path: Path) -> None:
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
+    save(manager, 1, model, optimizer, blocking=True)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with pytest.raises(ConfigError, match="does not fit this run's model and optimizer"):
+        restore(
+            manager,
+            layout.inspect(manager.store, "checkpoint-1"),
+            other,
+            torch.optim.AdamW(other.parameters()),
+        )
+
+
+# ---- which checkpoint is resumed from ------------------------------------------------------------
+def saved_steps(tmp_path: Path, steps: list[int], keep: int | None = None) -> CheckpointManager:
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend(), keep=keep)
+    for step in steps:
+        save(manager, step, model, optimizer)
+    manager.wait()
+    return manager
+
+
+def test_a_missing_or_truncated_shard_is_never_resumed_from(tmp_path: Path) -> None:
+    saved_steps(tmp_path, [2, 4, 6])
+    store = layout.Store(str(tmp_path))
+    (tmp_path / "checkpoint-6" / "__0_0.distcp").unlink()
+    shard = tmp_path / "checkpoint-4" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    point = layout.resume_point(store)
+    assert point.checkpoint is not None and point.checkpoint.name == "checkpoint-2"
+    assert [(f.name, f.problem) for f in point.skipped] == [
+        ("checkpoint-6", "shard __0_0.distcp is missing"),
+        (
+            "checkpoint-4",
+            f"shard __0_0.distcp is truncated (100 of {shard_length(tmp_path / 'checkpoint-2')} bytes)",
+        ),
+    ]
+    # Before training resumes from 2, nothing newer may look complete: the broken ones lose their marker.
+    assert layout.clear_after(store, 2) == [
+        "unmarked checkpoint-6: it is not whole, and a new save of step 6 will replace it",
+        "unmarked checkpoint-4: it is not whole, and a new save of step 4 will replace it",
+    ]
+    assert not (tmp_path / "checkpoint-6" / layout.COMPLETE).exists()
+    assert (tmp_path / "checkpoint-2" / layout.COMPLETE).exists()
+
+
+def shard_length(checkpoint: Path) -> int:
+    return (checkpoint / "__0_0.distcp").stat().st_size
+
+
+def test_a_cut_off_save_is_skipped_and_removed_before_saving_again(tmp_path: Path) -> None:
+    saved_steps(tmp_path, [2, 4])
+    (tmp_path / "checkpoint-4" / layout.COMPLETE).unlink()  # SIGKILL before the marker
+    store = layout.Store(str(tmp_path))
+    point = layout.resume_point(store)
+    assert point.checkpoint is not None and point.checkpoint.step == 2
+    assert point.skipped[0].problem == "its save was cut off (no completion marker)"
+    assert layout.clear_after(store, 2) == [
+        "removed checkpoint-4: its save was cut off (no completion marker)"
+    ]
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
+def test_the_full_file_format_of_earlier_versions_is_recognised(tmp_path: Path) -> None:
+    saved_steps(tmp_path, [2])
+    old = tmp_path / "checkpoint-4"
+    old.mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", layout.COMPLETE):
+        (old / name).write_text("x")
+    point = layout.resume_point(layout.Store(str(tmp_path)))
+    assert (
+        point.checkpoint is not None and point.checkpoint.name == "checkpoint-4" and point.checkpoint.legacy
+    )
+
+
+def test_retention_deletes_only_complete_older_checkpoints(tmp_path: Path) -> None:
+    saved_steps(tmp_path, [1, 2, 3, 4], keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    (tmp_path / "checkpoint-9").mkdir()  # a save in flight (no marker yet): never retired
+    (tmp_path / "checkpoint-9" / "__0_0.distcp").write_text("partial")
+    assert layout.retire(layout.Store(str(tmp_path)), keep=1) == ["checkpoint-3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-9"]
+
+
+# ---- storage that fails --------------------------------------------------------------------------
+class FullFileSystem(MemoryFileSystem):
+    """An in-memory filesystem that refuses to store shard files once ``armed``: ENOSPC."""
+
+    protocol = "fullfs"
+    armed = False
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if self.armed and "w" in mode and path.endswith(".distcp"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super()._open(path, mode, **kwargs)
+
+
+def test_a_full_disk_fails_the_run_clearly_and_keeps_the_previous_checkpoint() -> None:
+    fsspec.register_implementation("fullfs", FullFileSystem, clobber=True)
+    FullFileSystem.store.clear()
+    FullFileSystem.armed = False
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    store = layout.Store("fullfs://bucket/run")
+    manager = CheckpointManager(store, TorchBackend(), keep=1)
+    save(manager, 2, model, optimizer)
+    manager.wait()
+    FullFileSystem.armed = True
+    save(manager, 4, model, optimizer)  # the write fails in the background...
+    deadline = time.monotonic() + 30
+    while manager.in_flight() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(CheckpointWriteError) as failure:  # ...and the next step boundary says so
+        manager.poll()
+    message = str(failure.value)
+    assert "checkpoint-4 could not be written to fullfs://bucket/run/checkpoint-4" in message
+    assert "No space left on device" in message and "the output's storage is full" in message
+    assert "checkpoint-2 is the newest complete one and is kept" in message
+    assert failure.value.exit_code == 1  # infrastructure: restarted from checkpoint-2
+    FullFileSystem.armed = False
+    point = layout.resume_point(store)
+    assert point.checkpoint is not None and point.checkpoint.name == "checkpoint-2"
+    assert not store.exists("checkpoint-4")  # its partial directory removed
+
+
+def test_checkpoints_on_a_uri_round_trip(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path}/bucket/run"
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    store = layout.Store(uri)
+    assert store.is_local
+    manager = CheckpointManager(layout.Store("memory://bucket/run"), TorchBackend())
+    save(manager, 3, model, optimizer)
+    manager.wait()
+    memory = layout.Store("memory://bucket/run")
+    assert not memory.is_local
+    found = layout.inspect(memory, "checkpoint-3")
+    assert found.resumable, found
+    again, again_optimizer = model_and_optimizer()
+    restore(manager, found, again, again_optimizer)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+    fetched = manager.fetch_small_files(found, str(tmp_path / "local"))
+    assert json.loads(Path(fetched, layout.OPTIMIZER_EXTRAS).read_text())["param_groups"]
+
+
+# ---- the optimizer's state by parameter name -----------------------------------------------------
+def test_optimizer_state_is_keyed_by_parameter_name_and_groups_must_match() -> None:
+    model, optimizer = model_and_optimizer("adafactor")
+    train_step(model, optimizer, 1)
+    names = state.parameter_names(model)
+    tensors, extras = state.optimizer_state(optimizer, names)
+    assert "0.weight.exp_avg_sq_row" in tensors and "2.bias.exp_avg_sq" in tensors
+    assert extras["scalars"]["0.weight"]["step"] == 1
+    assert extras["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    restored = json.loads(state.dumps_extras(extras))
+    assert restored["param_groups"][0]["eps"] == {"__tuple__": [1e-30, 1e-3]}
+    state.restore_extras(optimizer, names, restored)
+    assert optimizer.param_groups[0]["eps"] == (1e-30, 1e-3)
+    restored["param_groups"][0]["params"] = ["0.weight"]
+    with pytest.raises(ConfigError, match="holds other parameters"):
+        state.restore_extras(optimizer, names, restored)
+
+
+def test_wrapper_prefixes_are_stripped_and_tied_weights_saved_once() -> None:
+    assert state.hf_name("_orig_module.model.layers.0._orig_module.mlp.up_proj.weight") == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+    embedding = torch.nn.Embedding(4, 2)
+    head = torch.nn.Linear(2, 4, bias=False)
+    head.weight = embedding.weight
+    frozen = torch.nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    model = torch.nn.ModuleDict({"embed": embedding, "head": head, "frozen": frozen})
+    assert sorted(state.trainable_state(model)) == ["embed.weight"]
+
+
+def test_a_stop_sees_the_save_that_was_writing_when_the_signal_came(tmp_path: Path) -> None:
+    """in_flight_at, which the stop agreement reads: the save's window, from its start to its marker."""
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
+    release = threading.Event()
+    original = manager._write
+    manager._write = lambda save: (release.wait(10), original(save))  # type: ignore[method-assign,func-returns-value]
+    before = time.monotonic()
+    save(manager, 5, model, optimizer)
+    during = time.monotonic()
+    release.set()
+    manager.wait()
+    assert manager.in_flight_at(before - 1) is None
+    assert manager.in_flight_at(during) == 5
+    assert manager.in_flight_at(time.monotonic()) is None

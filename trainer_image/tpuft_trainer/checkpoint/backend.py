@@ -1,0 +1,110 @@
+"""What the checkpoint manager needs of a tensor backend, and the plain-torch one.
+
+The manager (manager.py) is written against ``Backend``: staging a state dict to host memory (the
+only part training waits for), the DCP planners that read and write it, creating an optimizer's
+state before loading into it, and fetching whole tensors for the export. ``xla.py`` is the
+PyTorch/XLA SPMD backend the trainer runs on; ``TorchBackend`` here is plain torch on CPU
+(single process, or DTensors over a gloo group), which the tests use to check the manager's
+behaviour without XLA, and the shape a torch-native TPU backend (DTensor/FSDP2) would take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+
+class Backend(Protocol):
+    """The tensor runtime under a checkpoint."""
+
+    @property
+    def process_index(self) -> int: ...
+
+    @property
+    def process_count(self) -> int: ...
+
+    def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """A host-memory copy of this process's part of ``state`` (nested dicts of tensors), taken
+        now: training may change the tensors as soon as this returns. Every process calls it."""
+        ...
+
+    def save_planner(self) -> Any: ...
+
+    def load_planner(self) -> Any: ...
+
+    def prime_optimizer(self, optimizer: Any) -> None:
+        """Create the optimizer's state (in the parameters' layout) so a checkpoint loads into it.
+        May change the parameters: load them afterwards."""
+        ...
+
+    def full_tensors(self, tensors: list[Any]) -> list[Any]:
+        """Whole CPU copies of (possibly sharded) tensors. A collective: every process calls it."""
+        ...
+
+    def barrier(self) -> None: ...
+
+
+def _clone_tree(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, Mapping):
+        return {key: _clone_tree(item) for key, item in value.items()}
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+class TorchBackend:
+    """Plain torch tensors (or DTensors) on CPU, with torch.distributed's default group if initialised."""
+
+    @property
+    def process_index(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def process_count(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(_clone_tree(state))
+
+    def save_planner(self) -> Any:
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        return DefaultSavePlanner()
+
+    def load_planner(self) -> Any:
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        return DefaultLoadPlanner()
+
+    def prime_optimizer(self, optimizer: Any) -> None:
+        import torch
+
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+            for param in group["params"]:
+                if param.requires_grad:
+                    param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+
+    def full_tensors(self, tensors: list[Any]) -> list[Any]:
+        out = []
+        for tensor in tensors:
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            out.append(full.detach().cpu())
+        return out
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()

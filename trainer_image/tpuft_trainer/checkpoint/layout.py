@@ -1,0 +1,242 @@
+"""Where checkpoints live and which of them can be resumed from. No torch at import.
+
+A run's output (a local path, e.g. a mounted volume, or any fsspec URI such as ``gs://``) holds one
+directory per checkpoint::
+
+    checkpoint-<step>/
+        .metadata              torch.distributed.checkpoint's index of every tensor chunk (written
+                               last by DCP's coordinator, after every process wrote its files)
+        __<rank>_<n>.distcp    the chunks each process wrote: only those its devices hold
+        trainer_state.json     the Trainer's state (step, logs: the data position), scheduler.pt,
+        scheduler.pt           rng_state.pth and optimizer.json (non-tensor optimizer state): small
+        rng_state.pth          files written by rank 0
+        optimizer.json
+        .tpuft-complete        written by rank 0 once everything above is on storage
+
+A checkpoint is resumed from only if it carries the completion marker AND every file its
+``.metadata`` names exists at least as long as the bytes it points into (a shard deleted or cut
+short after the marker is caught here, not as a failed load in the middle of the start). Anything
+else is skipped, and the reason is reported (the operator turns it into an Event).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoint-"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+COMPLETE = ".tpuft-complete"
+LEGACY_UPLOADED = ".tpuft-uploaded"  # the remote marker of the full-file format's uploads
+DCP_METADATA = ".metadata"
+TRAINER_STATE = "trainer_state.json"
+SCHEDULER = "scheduler.pt"
+RNG_STATE = "rng_state.pth"
+OPTIMIZER_EXTRAS = "optimizer.json"
+SMALL_FILES = (TRAINER_STATE, SCHEDULER, RNG_STATE, OPTIMIZER_EXTRAS)
+# What the earlier full-file format wrote instead of DCP shards (the model gathered on every host).
+LEGACY_FILES = ("model.safetensors", "adapter_model.safetensors", "optimizer.pt", "pytorch_model.bin")
+
+
+def name_for(step: int) -> str:
+    return f"{PREFIX}{step}"
+
+
+def step_of(name: str) -> int | None:
+    match = CHECKPOINT.match(name)
+    return int(match.group(1)) if match else None
+
+
+class Store:
+    """A directory on a local path or behind an fsspec URI, with the few operations checkpoints need."""
+
+    def __init__(self, location: str) -> None:
+        import fsspec
+
+        self.location = location.rstrip("/") or "/"
+        self.fs: Any
+        self.fs, self.root = fsspec.core.url_to_fs(self.location)
+        self.root = self.root.rstrip("/") or "/"
+        self.is_local = "://" not in location or location.startswith("file://")
+
+    def path(self, *parts: str) -> str:
+        """The fsspec path of ``parts`` under the root."""
+        return "/".join([self.root, *[p.strip("/") for p in parts if p]])
+
+    def url(self, *parts: str) -> str:
+        """The location of ``parts`` as the user wrote the root (a path or a URI)."""
+        return "/".join([self.location, *[p.strip("/") for p in parts if p]])
+
+    def local_path(self, *parts: str) -> str:
+        """A path the operating system can open (only for local stores)."""
+        assert self.is_local, f"{self.location} is not on a local filesystem"
+        return self.path(*parts)
+
+    def exists(self, *parts: str) -> bool:
+        return bool(self.fs.exists(self.path(*parts)))
+
+    def names(self, *parts: str) -> list[str]:
+        """Names of the entries of a directory (empty when it does not exist)."""
+        directory = self.path(*parts)
+        if not self.fs.exists(directory):
+            return []
+        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(directory, detail=False))
+
+    def sizes(self, *parts: str) -> dict[str, int]:
+        """Name -> size in bytes of the files in a directory."""
+        directory = self.path(*parts)
+        if not self.fs.exists(directory):
+            return {}
+        return {
+            str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
+            for entry in self.fs.ls(directory, detail=True)
+            if entry.get("type") == "file"
+        }
+
+    def read_text(self, *parts: str) -> str:
+        with self.fs.open(self.path(*parts), "r") as f:
+            return str(f.read())
+
+    def write_text(self, text: str, *parts: str) -> None:
+        self.fs.makedirs(self.path(*parts[:-1]), exist_ok=True)
+        with self.fs.open(self.path(*parts), "w") as f:
+            f.write(text)
+
+    def put_file(self, local: str, *parts: str) -> None:
+        self.fs.makedirs(self.path(*parts[:-1]), exist_ok=True)
+        self.fs.put_file(local, self.path(*parts))
+
+    def get_file(self, remote_parts: tuple[str, ...], local: str) -> None:
+        self.fs.get_file(self.path(*remote_parts), local)
+
+    def remove(self, *parts: str) -> None:
+        target = self.path(*parts)
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint directory at the output, and whether it can be resumed from."""
+
+    name: str
+    step: int
+    problem: str | None = None  # None: complete and resumable
+    legacy: bool = False  # written in the earlier full-file format
+
+    @property
+    def resumable(self) -> bool:
+        return self.problem is None and not self.legacy
+
+
+def checkpoints(store: Store) -> Iterator[tuple[int, str]]:
+    """(step, name) of every checkpoint directory at the output, newest first."""
+    found = [(step, name) for name in store.names() if (step := step_of(name)) is not None]
+    yield from sorted(found, reverse=True)
+
+
+def is_marked(store: Store, name: str) -> bool:
+    return store.exists(name, COMPLETE) or store.exists(name, LEGACY_UPLOADED)
+
+
+def inspect(store: Store, name: str) -> Found:
+    """Whether checkpoint ``name`` can be resumed from, and if not, why (in the user's words)."""
+    step = step_of(name)
+    assert step is not None, name
+    files = store.sizes(name)
+    if COMPLETE not in files and LEGACY_UPLOADED not in files:
+        return Found(name, step, "its save was cut off (no completion marker)")
+    if DCP_METADATA not in files:
+        if any(legacy in files for legacy in LEGACY_FILES):
+            return Found(name, step, None, legacy=True)
+        return Found(name, step, f"it has no {DCP_METADATA} (not a sharded checkpoint)")
+    missing_small = [small for small in SMALL_FILES if small not in files]
+    if missing_small:
+        return Found(name, step, f"{', '.join(missing_small)} missing")
+    try:
+        needed = shard_extents(store, name)
+    except Exception as error:  # an unreadable index is as bad as none
+        return Found(name, step, f"its {DCP_METADATA} cannot be read ({type(error).__name__}: {error})")
+    for shard, extent in sorted(needed.items()):
+        if shard not in files:
+            return Found(name, step, f"shard {shard} is missing")
+        if files[shard] < extent:
+            return Found(name, step, f"shard {shard} is truncated ({files[shard]} of {extent} bytes)")
+    return Found(name, step)
+
+
+def shard_extents(store: Store, name: str) -> dict[str, int]:
+    """Shard file -> the end of the last byte range ``.metadata`` points into it."""
+    import pickle
+
+    with store.fs.open(store.path(name, DCP_METADATA), "rb") as f:
+        metadata = pickle.load(f)  # DCP's own format: a pickled Metadata (torch.distributed.checkpoint)
+    extents: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    return extents
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest resumable checkpoint (None: start from the beginning) and what was skipped on the way."""
+
+    checkpoint: Found | None
+    skipped: list[Found]
+
+
+def resume_point(store: Store) -> ResumePoint:
+    """The newest checkpoint that can be resumed from, checking newest first. A legacy (full-file)
+    checkpoint that is the newest complete one is returned as is: the caller says what to do."""
+    skipped: list[Found] = []
+    for _, name in checkpoints(store):
+        found = inspect(store, name)
+        if found.resumable or found.legacy:
+            return ResumePoint(found, skipped)
+        skipped.append(found)
+    return ResumePoint(None, skipped)
+
+
+def mark_complete(store: Store, name: str) -> None:
+    """Rank 0, after every file of the checkpoint is on storage."""
+    store.write_text("ok\n", name, COMPLETE)
+
+
+def clear_after(store: Store, step: int) -> list[str]:
+    """Rank 0, before training resumes from ``step``: no checkpoint directory newer than it may look
+    complete, since this attempt will save those steps again (possibly into the same directories).
+    Unmarked ones (a save cut off) are deleted; marked ones that are not whole (a shard missing or cut
+    short) lose their marker, and keep their files for whoever wants to look. Returns what was done."""
+    done = []
+    for found_step, name in checkpoints(store):
+        if found_step <= step:
+            continue
+        if not is_marked(store, name):
+            store.remove(name)
+            done.append(f"removed {name}: its save was cut off (no completion marker)")
+        else:
+            store.remove(name, COMPLETE)
+            store.remove(name, LEGACY_UPLOADED)
+            done.append(
+                f"unmarked {name}: it is not whole, and a new save of step {found_step} will replace it"
+            )
+    return done
+
+
+def retire(store: Store, keep: int, protect: str | None = None) -> list[str]:
+    """Rank 0, after a checkpoint completed: deletes the oldest *complete* checkpoints beyond the
+    newest ``keep`` complete ones (never an incomplete one, which may be a save in flight, and never
+    ``protect``). Returns their names."""
+    complete = [name for _, name in checkpoints(store) if is_marked(store, name)]
+    removed = []
+    for name in complete[keep:]:
+        if name != protect:
+            store.remove(name)
+            removed.append(name)
+    return removed

@@ -1,0 +1,350 @@
+"""The one owner of saving and restoring checkpoints (torchtitan's CheckpointManager is the model).
+
+A save has two parts. *Staging* copies this process's chunks of the model and optimizer state to host
+memory (``Backend.stage``): training waits for it, and only for it. *Writing* hands the staged copy to
+``torch.distributed.checkpoint`` (each process writes its own chunks, the coordinator the index) and,
+on rank 0, the small files and the completion marker; a periodic save writes in a background thread
+while training goes on. One save is in flight at a time: a new save, a stop and the end of training
+first wait for the one writing. A stop's save (and the last step's) is synchronous.
+
+A write that fails (storage full, permission denied) is reported at the next step boundary or save
+(``poll``/``wait``) as a ``CheckpointWriteError`` naming the checkpoint, the location and the newest
+checkpoint that is complete; its partial directory is removed (best effort) and no complete checkpoint
+is ever deleted because of it (retention runs only after a checkpoint is complete).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from tpuft_trainer.checkpoint import layout
+from tpuft_trainer.checkpoint.backend import Backend
+from tpuft_trainer.errors import ConfigError, PermissionDeniedError, TrainerError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests and chaos drills (pod_contract's TPUFT_FAULT_* variables): at the
+    save of step ``kill_before_marker``, SIGKILL this process once every file is written but before
+    the marker; at the save of step ``sigterm_while_writing``, send it SIGTERM as the write begins."""
+
+    kill_before_marker: int = 0
+    sigterm_while_writing: int = 0
+
+
+class CheckpointWriteError(TrainerError):
+    """A checkpoint could not be written: an infrastructure failure (the JobSet restarts the run from
+    the newest complete checkpoint), or ``PermissionDeniedError`` when storage refuses access."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One completed save, as attempt.py records it."""
+
+    step: int
+    reason: str  # "periodic", "SIGTERM", "checkpoint request <n>", "final"
+    blocked_seconds: float  # training waited this long: the staging copy, or all of a synchronous save
+    write_seconds: float  # the write after the staging (in the background for a periodic save)
+    seconds: float  # from the save's start to the checkpoint complete on storage
+    completed: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+@dataclass
+class _Save:
+    step: int
+    reason: str
+    staged: dict[str, Any]
+    small_files: dict[str, bytes]
+    blocked_seconds: float
+    started: float  # monotonic: the save call
+    staged_at: float  # monotonic: the end of the staging
+    blocking: bool = False
+    completed_at: float | None = None  # monotonic: on storage (or failed)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    record: SaveRecord | None = None
+
+
+class CheckpointManager:
+    """Saves and restores the checkpoints of one run at ``store`` (every process makes the same calls)."""
+
+    def __init__(
+        self,
+        store: layout.Store,
+        backend: Backend,
+        *,
+        keep: int | None = None,
+        faults: Faults = Faults(),
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.keep = keep
+        self.is_coordinator = backend.process_index == 0
+        self._faults = faults
+        self._current: _Save | None = None
+        self._recent: list[_Save] = []  # the last few saves, for in_flight_at
+        self._completed: list[SaveRecord] = []
+        self._lock = threading.Lock()
+        self.newest_complete: int | None = None  # the newest checkpoint known complete
+        self.newest_started: int | None = None  # the newest save this process started
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        small_files: Callable[[], dict[str, bytes]],
+        *,
+        reason: str,
+        blocking: bool,
+    ) -> None:
+        """Save ``state`` (nested dicts of tensors) as checkpoint-``step``. Returns after the staging
+        copy (``blocking=False``) or once the checkpoint is complete. ``small_files`` gives rank 0's
+        small files (name -> bytes) as of now."""
+        started = time.monotonic()
+        self._join()  # one save in flight: the previous one must be on storage first
+        staged = self.backend.stage(state)
+        files = small_files() if self.is_coordinator else {}
+        staged_at = time.monotonic()
+        save = _Save(step, reason, staged, files, staged_at - started, started, staged_at, blocking)
+        self.newest_started = step
+        self._recent = [*self._recent[-3:], save]
+        if blocking:
+            self._write(save)
+            self._current = save
+            self._join()
+            return
+        save.thread = threading.Thread(
+            target=self._write, args=(save,), name=f"checkpoint-{step}", daemon=True
+        )
+        self._current = save
+        save.thread.start()
+
+    def _write(self, save: _Save) -> None:
+        name = layout.name_for(save.step)
+        try:
+            if self._faults.sigterm_while_writing == save.step:
+                log.warning("fault injection: SIGTERM while checkpoint-%d is being written", save.step)
+                os.kill(os.getpid(), signal.SIGTERM)
+            if self.is_coordinator:
+                self.store.fs.makedirs(self.store.path(name), exist_ok=True)
+                for file_name, data in save.small_files.items():
+                    with self.store.fs.open(self.store.path(name, file_name), "wb") as out:
+                        out.write(data)
+            _dcp_save(save.staged, self.store, name, self.backend.save_planner())
+            save.staged = {}  # the host copy can go as soon as it is written
+            if self.is_coordinator:
+                if self._faults.kill_before_marker == save.step:
+                    log.warning(
+                        "fault injection: killing this process before checkpoint-%d is marked", save.step
+                    )
+                    logging.shutdown()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                layout.mark_complete(self.store, name)
+            done = save.completed_at = time.monotonic()
+            save.record = SaveRecord(
+                save.step,
+                save.reason,
+                blocked_seconds=done - save.started if save.blocking else save.blocked_seconds,
+                write_seconds=done - save.staged_at,
+                seconds=done - save.started,
+            )
+        except BaseException as error:  # reported in the training thread (poll/wait)
+            save.completed_at = time.monotonic()
+            save.error = error
+            save.staged = {}
+            if self.is_coordinator:
+                try:
+                    self.store.remove(name)
+                except Exception:  # best effort: the next start removes it anyway (no marker)
+                    log.debug("could not remove the partial %s", name, exc_info=True)
+
+    def _join(self) -> None:
+        save, self._current = self._current, None
+        if save is None:
+            return
+        waited = time.monotonic()
+        if save.thread is not None:
+            save.thread.join()
+        if save.error is not None:
+            raise self._write_failure(save)
+        assert save.record is not None
+        if save.thread is not None and time.monotonic() - waited > 0.05:
+            log.info(
+                "waited %.1f s for checkpoint-%d to finish writing", time.monotonic() - waited, save.step
+            )
+        self._finished(save.record)
+
+    def _finished(self, record: SaveRecord) -> None:
+        self.newest_complete = record.step
+        with self._lock:
+            self._completed.append(record)
+        if self.is_coordinator and self.keep:
+            for name in layout.retire(self.store, self.keep):
+                log.info("removed %s (keepCheckpoints: %d)", name, self.keep)
+
+    def _write_failure(self, save: _Save) -> TrainerError:
+        assert save.error is not None
+        error = root_cause(save.error)
+        where = self.store.url(layout.name_for(save.step))
+        kept = (
+            f"checkpoint-{self.newest_complete} is the newest complete one and is kept"
+            if self.newest_complete is not None
+            else "no earlier checkpoint of this attempt is complete"
+        )
+        message = f"checkpoint-{save.step} could not be written to {where}: {_first_line(error)}; {kept}"
+        if isinstance(error, PermissionError) or getattr(error, "errno", None) in (errno.EACCES, errno.EPERM):
+            return PermissionDeniedError(message)
+        if getattr(error, "errno", None) == errno.ENOSPC:
+            message += " (the output's storage is full: free space or use a larger volume)"
+        failure = CheckpointWriteError(message)
+        failure.__cause__ = save.error
+        return failure
+
+    def poll(self) -> list[SaveRecord]:
+        """At a step boundary: saves completed since the last call; raises if a background write failed."""
+        save = self._current
+        if save is not None and save.thread is not None and not save.thread.is_alive():
+            self._join()
+        with self._lock:
+            done, self._completed = self._completed, []
+        return done
+
+    def wait(self) -> list[SaveRecord]:
+        """Waits for the save in flight (if any); then as ``poll``."""
+        self._join()
+        return self.poll()
+
+    def in_flight(self) -> int | None:
+        """The step of the save still writing, if any."""
+        save = self._current
+        if save is None or save.thread is None or not save.thread.is_alive():
+            return None
+        return save.step
+
+    def in_flight_at(self, moment: float) -> int | None:
+        """The step of the save that was being made at monotonic time ``moment`` (staging or
+        writing), if any."""
+        for save in reversed(self._recent):
+            if save.started <= moment and (save.completed_at is None or moment < save.completed_at):
+                return save.step
+        return None
+
+    def close(self) -> None:
+        """Joins the save in flight without raising (on the way out of a failed run)."""
+        save, self._current = self._current, None
+        if save is not None and save.thread is not None:
+            save.thread.join()
+
+    # ---- restoring --------------------------------------------------------------------------------
+    def load(self, found: layout.Found, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Loads checkpoint ``found`` into ``state`` in place (resharding to the current layout);
+        returns the optimizer's non-tensor state (optimizer.json)."""
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            with quiet():
+                dcp.load(
+                    dict(state),
+                    storage_reader=_reader(self.store, found.name),
+                    planner=self.backend.load_planner(),
+                )
+        except (Exception, dcp.CheckpointException) as error:
+            cause = root_cause(error)
+            if isinstance(cause, (OSError, PermissionError)):
+                raise CheckpointWriteError(
+                    f"{found.name} at {self.store.url(found.name)} could not be read: {_first_line(cause)}"
+                ) from error
+            raise ConfigError(
+                f"{found.name} at {self.store.url(found.name)} does not fit this run's model and optimizer "
+                f"(was it saved by a run of another model, method or optimizer?): {_first_line(cause)}"
+            ) from error
+        extras: dict[str, Any] = json.loads(self.store.read_text(found.name, layout.OPTIMIZER_EXTRAS))
+        self.newest_complete = found.step
+        return extras
+
+    def fetch_small_files(self, found: layout.Found, local_dir: str) -> str:
+        """A local directory with the checkpoint's small files (where the Trainer reads its state): the
+        checkpoint itself on a local store, else a copy in ``local_dir/<name>``."""
+        if self.store.is_local:
+            return self.store.local_path(found.name)
+        target = os.path.join(local_dir, found.name)
+        os.makedirs(target, exist_ok=True)
+        for file_name in layout.SMALL_FILES:
+            self.store.get_file((found.name, file_name), os.path.join(target, file_name))
+        return target
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The first process's own exception inside DCP's CheckpointException (a BaseException that
+    carries each rank's failure), else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else error
+    return error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:500] if text else type(error).__name__
+
+
+def _writer(store: layout.Store, name: str) -> Any:
+    if store.is_local:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(store.local_path(name), single_file_per_rank=True, sync_files=True)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(store.url(name), single_file_per_rank=True, sync_files=True)
+
+
+def _reader(store: layout.Store, name: str) -> Any:
+    if store.is_local:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(store.local_path(name))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(store.url(name))
+
+
+# Said at every save or load, by DCP and torch_xla's planners, about their own code: noise in a log.
+QUIET = (
+    "torch.distributed is disabled",  # one process: DCP assumes so
+    "The function definition for SavePlanner.set_up_planner",
+    "TypedStorage is deprecated",
+    "Using a non-tuple sequence for multidimensional indexing",
+)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for message in QUIET:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def _dcp_save(staged: dict[str, Any], store: layout.Store, name: str, planner: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with quiet():
+        dcp.save(staged, storage_writer=_writer(store, name), planner=planner)
