@@ -362,3 +362,53 @@ def test_a_stop_sees_the_save_that_was_writing_when_the_signal_came(tmp_path: Pa
     assert manager.in_flight_at(before - 1) is None
     assert manager.in_flight_at(during) == 5
     assert manager.in_flight_at(time.monotonic()) is None
+
+
+# ---- several processes ----------------------------------------------------------------------------
+def test_two_processes_each_write_only_what_they_hold(tmp_path: Path) -> None:
+    """Two real processes over a gloo group, as two hosts (torch_xla's CPU client cannot join
+    processes into one SPMD program, plain torch's DTensors can): each writes its own chunks of the
+    checkpoint and its share of the exported files; rank 0 marks the checkpoint once both are done."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import two_ranks
+    from safetensors.torch import load_file
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("two_ranks.py")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env)
+        for r in (0, 1)
+    ]
+    assert [p.wait(timeout=300) for p in ranks] == [0, 0]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["records"] == results[1]["records"] == [[3, "periodic"]]
+    run = tmp_path / "run"
+    shards = sorted(p.name for p in (run / "checkpoint-3").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one file per process: its own chunks
+    found = layout.inspect(layout.Store(str(run)), "checkpoint-3")
+    assert found.resumable, found
+    full = two_ranks.full_tensors()
+    loaded: dict[str, Any] = {"model": {name: torch.zeros(t.shape) for name, t in full.items()}}
+    import torch.distributed.checkpoint as dcp
+
+    with quiet():
+        dcp.load(loaded, checkpoint_id=str(run / "checkpoint-3"))
+    assert all(torch.equal(loaded["model"][n], full[n]) for n in full)
+    # The export: three groups of <= 150 bytes, files 1 and 3 by rank 0, file 2 by rank 1, one index.
+    files = results[0]["exported"]
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert results[0]["written_here"] == [files[0], files[2]] and results[1]["written_here"] == [files[1]]
+    index = json.loads((run / "model" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(full)
+    exported = {k: v for f in files for k, v in load_file(run / "model" / f).items()}
+    assert all(torch.equal(exported[n], full[n]) for n in full)

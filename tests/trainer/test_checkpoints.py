@@ -137,7 +137,7 @@ def test_a_sigterm_while_a_periodic_save_writes_finishes_it_and_stops_without_an
     assert record["attempt"]["checkpoint_seconds"] == pytest.approx(
         sum(s["blocked_seconds"] for s in saves), abs=0.02
     )
-    assert "checkpoint-4 complete (SIGTERM)" in stopped.stderr
+    assert "after saving checkpoint-4 (SIGTERM); the next start resumes from it" in stopped.stderr
     assert losses(record) == {step: reference[step] for step in losses(record)}
 
 

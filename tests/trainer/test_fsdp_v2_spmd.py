@@ -123,8 +123,10 @@ def test_losses_identical_across_device_counts(pool: Pool, devices: int) -> None
     reference = result(pool, "stock_llama@4")["ckpt_on"]
     run = result(pool, f"llama@{devices}")["ckpt_on"]
     assert_sharded_over_fsdp(run["sharding"], devices)
-    # Bit-identical from step 2 on, so the weights after every update are the same. The loss logged for
-    # step 1 alone may differ in the last float32 bit on 8 devices (measured: 4.8708887 vs 4.8708882):
-    # the first step's graph reduces the logged loss over a different split of the batch.
-    assert run["losses"][1:] == reference["losses"][1:]
+    # The same numbers: bit-identical from step 2 on where the CPU's vector width splits each device's
+    # reductions alike (the CI machines of 2026-11); on an AMD EPYC without AVX-512 (2026-12-06) the
+    # 2-device run's step-5 loss is 1 float32 ulp off (3.4180083 vs 3.4180086), in this code and in
+    # the code before it. The loss logged for step 1 alone may differ in the last bit on 8 devices
+    # (measured: 4.8708887 vs 4.8708882): the first step's graph reduces it over another split.
+    assert run["losses"][1:] == pytest.approx(reference["losses"][1:], rel=1e-6, abs=0)
     assert run["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-6)

@@ -51,6 +51,7 @@ class ExportRecord:
     """What the export did (``tpuft-metrics.json``: ``export``)."""
 
     files: list[str] = field(default_factory=list)
+    written_here: list[str] = field(default_factory=list)  # the files this process wrote
     tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
@@ -168,6 +169,7 @@ def export_weights(
             _write(
                 save_file, {n: t.contiguous() for n, t in zip(group, host, strict=True)}, output, file_name
             )
+            record.written_here.append(file_name)
         del host
     backend.barrier()  # every file on storage before the index that names them
     if backend.process_index == 0 and len(names) > 1:

@@ -72,7 +72,8 @@ FAULT_KILL_IN_SAVE_AT_STEP_ENV: Final = "TPUFT_FAULT_KILL_IN_SAVE_AT_STEP"
 # Set by tests and chaos drills only; read by train.run: the process sends itself SIGTERM while that
 # step's periodic save is writing (in the background, as training goes on).
 FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV: Final = "TPUFT_FAULT_SIGTERM_IN_SAVE_AT_STEP"
-# Set by tests and chaos drills only; read by train.run: the process sends itself SIGTERM after that step.
+# Set by tests and chaos drills only; read by train.run: the process sends itself SIGTERM after that step
+# (once no save is writing: the stop then saves the step reached).
 FAULT_SIGTERM_AT_STEP_ENV: Final = "TPUFT_FAULT_SIGTERM_AT_STEP"
 
 # ------------------------------------------------------------------ what a spec may not take over

@@ -336,7 +336,7 @@ def _stopped(
         _write_record(record, output)
     redone = "" if trained_to == resume_step else f"; step {trained_to} will be trained again"
     raise StoppedAfterCheckpoint(
-        f"stopped at step {trained_to} with checkpoint-{resume_step} complete "
+        f"stopped at step {trained_to} after saving checkpoint-{resume_step} "
         f"({record.stopped['reason']}); the next start resumes from it{redone}"
     )
 
@@ -783,6 +783,9 @@ def _stop_callback(
             saves.record(manager.poll())
             step = int(state.global_step)
             if sigterm_at and step == sigterm_at:
+                # Deterministic: no save is writing, so the stop saves the step reached (a SIGTERM
+                # during a save's write is TPUFT_FAULT_SIGTERM_IN_SAVE_AT_STEP's case).
+                saves.record(manager.wait())
                 log.warning("%s=%d: sending this process SIGTERM", FAULT_SIGTERM_AT_STEP_ENV, sigterm_at)
                 os.kill(os.getpid(), signal.SIGTERM)
             # Agree at once right after a periodic save: a stop then ends at that save.
