@@ -25,8 +25,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import Any
 
 from tpuft_trainer.checkpoint import layout
@@ -62,7 +61,6 @@ class SaveRecord:
     blocked_seconds: float  # training waited this long: the staging copy, or all of a synchronous save
     write_seconds: float  # the write after the staging (in the background for a periodic save)
     seconds: float  # from the save's start to the checkpoint complete on storage
-    completed: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 @dataclass
