@@ -6,6 +6,7 @@ python -m bench trainer
 python -m bench kopf-path                    # one watch event's cost: kopf's per-object path vs watches.py
 python -m bench pace --n 1000              # the operator's write pace: what it buys (pods sooner) and costs
 python -m bench goodput --steps 1200         # a real run, undisrupted vs suspended, SIGKILLed, maintained
+python -m bench scale [--compare-ref 768b6be] # checkpoints, loading, export at 46M/168M/340M parameters
 python -m bench report                       # the table and the plot from bench/results/*.json
 """
 
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import dpo, goodput, kopf_path, operator, pace, recipes, trainer
+from bench import dpo, goodput, kopf_path, operator, pace, recipes, scale, trainer
 
 # Issue 18's targets, at every N (each figure: the median of the rounds).
 TARGET_P99_TO_LIMIT = 1.2  # p99 create -> JobSet, as a multiple of the limit (`creation_limit`)
@@ -505,13 +506,18 @@ def report(operator_results: Path = operator.RESULTS) -> None:
         print()
         print("\n".join(goodput.report(results)))
         goodput.plot(results)
+    if scale.RESULTS.exists():
+        results = json.loads(scale.RESULTS.read_text())
+        print()
+        print("\n".join(scale.report(results)))
+        scale.plot(results)
 
 
 def main(argv: list[str]) -> None:
     part, rest = (argv[0], argv[1:]) if argv else ("all", [])
-    if part not in ("all", "kopf-path", "operator", "pace", "trainer", "goodput", "report"):
+    if part not in ("all", "kopf-path", "operator", "pace", "trainer", "goodput", "scale", "report"):
         raise SystemExit(
-            f"unknown benchmark {part!r}: kopf-path, operator, pace, trainer, goodput or report (none: all)"
+            f"unknown benchmark {part!r}: kopf-path, operator, pace, trainer, goodput, scale or report (none: all)"
         )
     if part == "pace":  # a comparison of the operator's settings, not part of `all`
         pace.cli(rest)
@@ -525,6 +531,8 @@ def main(argv: list[str]) -> None:
         trainer.main()
     if part in ("all", "goodput"):
         goodput.main(**vars(goodput.parser().parse_args(rest if part == "goodput" else [])))
+    if part in ("all", "scale"):
+        scale.cli(rest if part == "scale" else [])
     report(operator_results)
 
 

@@ -519,3 +519,235 @@ def test_the_pace_benchmark_alternates_its_order_and_reports_medians_against_no_
     assert "TPUFT_WRITE_QPS=50 against no pace: every run's first Job 0.64x, first status p50 1.00x" in text
     assert "runs never shown Running 0.50 (0.50)" in text  # the median of 0 and 1
     assert "medians of 2, 2 rounds per pace" in text
+
+
+# ---- bench/scale.py: sharded checkpoints, sliced loading, streamed export at three sizes -------------
+
+GB = 10**9
+
+
+def scale_run(exit_code: int = 0, peak_gb: float = 4.0, **metrics: Any) -> dict[str, Any]:
+    """A harness record of one `tpuft train` process, its trainer's metrics made up."""
+    return {"exit_code": exit_code, "peak_rss_bytes": int(peak_gb * GB), "metrics": metrics or None}
+
+
+def scale_runs(
+    *, blocked: float = 0.1, plain_gb: float = 4.0, periodic_gb: float = 4.4, exit_s: float = 9.0
+) -> dict[str, dict[str, Any]]:
+    """The five runs of one size as the current trainer leaves them (168M parameters: a 2.69 GB
+    state): 8 steps, the first three compiling; saves at 2, 4 and 6 in the background, 8 at the end."""
+    steps = [8.0, 8.0 + blocked, 2.0, 2.0 + blocked, 2.1, 2.0 + blocked, 1.9]  # steps 2..8
+    checkpoints = [
+        {
+            "step": s,
+            "blocked_seconds": blocked,
+            "write_seconds": 3.0 + s / 4,
+            "seconds": 3.5,
+            "reason": "periodic",
+        }
+        for s in (2, 4, 6)
+    ]
+    checkpoints.append(
+        {"step": 8, "blocked_seconds": 4.0, "write_seconds": 3.9, "seconds": 4.0, "reason": "final"}
+    )
+    return {
+        "plain": scale_run(
+            peak_gb=plain_gb,
+            step_seconds=[8.0, 8.0, 2.0, 2.1, 1.9, 2.2, 2.0],
+            peak_rss={"load": 2 * GB, "train": 4 * GB, "export": 3 * GB, "process": 4 * GB},
+        ),
+        "periodic": scale_run(peak_gb=periodic_gb, step_seconds=steps, attempt={"checkpoints": checkpoints}),
+        "sigterm_in_save": {
+            **scale_run(
+                75, 4.3, stopped={"step": 4, "trained_to": 4, "steps_lost": 0, "signal_to_exit_seconds": 4.1}
+            ),
+            "signal": {"step_at_signal": 4, "to_exit_seconds": exit_s, "save_in_flight": True},
+            "checkpoints": [2, 4],
+            "steps_logged": [1, 2, 3, 4],
+        },
+        "sigterm_between_saves": {
+            **scale_run(75, 4.3, stopped={"step": 5, "trained_to": 5, "steps_lost": 0, "save_seconds": 4.0}),
+            "signal": {"step_at_signal": 4, "to_exit_seconds": exit_s, "save_in_flight": False},
+            "checkpoints": [2, 4, 5],
+            "steps_logged": [1, 2, 3, 4, 5],
+        },
+        "resume_export": scale_run(
+            peak_gb=4.2,
+            resumed_from="checkpoint-4",
+            model_load={"seconds": 1.5},
+            attempt={"startup_seconds": 20.0},
+            peak_rss={"load": 1 * GB, "train": 4.2 * GB, "export": 3 * GB, "process": 4.2 * GB},
+        ),
+    }
+
+
+def test_the_median_step_leaves_out_the_warmup_and_the_steps_a_save_ran_in() -> None:
+    from bench.scale import compiled_late, median_step, save_gaps
+
+    steps = [8.0, 9.0, 2.0, 9.0, 2.2, 8.0, 1.8]  # steps 2..8; saves after steps 2, 4 and 6
+    assert median_step(steps, warmup=0) == 8.0
+    assert median_step(steps) == 2.2  # steps 4..8: 2.0, 9.0, 2.2, 8.0, 1.8
+    assert median_step(steps, 1, [2, 4, 6]) == 2.0  # steps 4, 6 and 8
+    # The save at 2 is followed by a step that also compiles: no gap for it.
+    assert save_gaps(steps, 1, [2, 4, 6]) == {4: 7.0, 6: 6.0}
+    # A process resumed from checkpoint-4 ran steps 5..8: its warm-up is 5, 6 and 7.
+    assert median_step([9.0, 9.0, 2.5], 5, [6]) == 2.5 and save_gaps([9.0, 9.0, 2.5], 5, [6]) == {}
+    # Compilations after the warm-up are pointed out (those steps' times are not training alone).
+    assert compiled_late({"1": 5, "2": 7, "3": 8, "4": 8, "5": 8}) == []
+    assert compiled_late({"1": 5, "2": 7, "3": 8, "4": 8, "5": 9}) == [5]
+    assert compiled_late(None) == []
+
+
+def test_the_peak_rss_is_the_largest_of_the_kernels_the_samples_and_the_trainers() -> None:
+    from bench.scale import peak_rss
+
+    # A trainer that resets VmHWM between parts also resets what ru_maxrss is taken from.
+    assert peak_rss(2 * GB, 3 * GB, {"load": GB, "train": 3 * GB, "export": 4 * GB}) == 4 * GB
+    assert peak_rss(5 * GB, 3 * GB, None) == 5 * GB
+
+
+def test_a_periodic_save_is_judged_by_what_the_trainer_says_it_blocked_or_else_by_the_step_gap() -> None:
+    from bench.scale import periodic_saves
+
+    new = periodic_saves(scale_runs(blocked=0.3)["periodic"])
+    assert [(s["step"], s["blocked_seconds"], s["blocked_from"], s["write_seconds"]) for s in new] == [
+        (2, 0.3, "trainer", 3.5),
+        (4, 0.3, "trainer", 4.0),
+        (6, 0.3, "trainer", 4.5),
+    ]
+    assert new[1]["median_step_seconds"] == 2.0 and new[1]["blocked_to_median_step"] == 0.15
+    assert new[1]["gap_seconds"] == 0.3 and new[0]["gap_seconds"] is None  # the step times agree
+    # Against the plain run's median step where there is one (this run's steps ran beside writes).
+    against_plain = periodic_saves(scale_runs(blocked=0.3)["periodic"], plain_median=4.0)
+    assert (
+        against_plain[1]["blocked_to_median_step"] == 0.075 and against_plain[1]["median_step_of"] == "plain"
+    )
+    # The earlier trainer's metrics have no blocked_seconds: the step that included the save tells,
+    # or in the warm-up its own seconds of the (synchronous) save.
+    old = periodic_saves(
+        scale_run(
+            step_seconds=[8.0, 12.0, 2.0, 14.0, 2.0, 13.0, 2.0],
+            attempt={"checkpoints": [{"step": 2, "seconds": 9.5}]},
+        )
+    )
+    assert [(s["blocked_seconds"], s["blocked_from"], s["save_seconds"]) for s in old] == [
+        (9.5, "synchronous save seconds", 9.5),
+        (12.0, "step gap", None),
+        (11.0, "step gap", None),
+    ]
+    assert old[1]["blocked_to_median_step"] == 6.0
+
+
+def test_a_stop_counts_the_saves_after_the_signal_and_the_steps_it_lost() -> None:
+    from bench.scale import stop_figures
+
+    runs = scale_runs()
+    in_save = stop_figures(runs["sigterm_in_save"])
+    assert in_save["saves_after_signal"] == 0 and in_save["steps_lost"] == 0
+    assert in_save["signal_to_exit_seconds"] == 9.0 and in_save["trainer_signal_to_exit_seconds"] == 4.1
+    between = stop_figures(runs["sigterm_between_saves"])
+    assert between["saves_after_signal"] == 1 and between["stop_save_seconds"] == 4.0
+    # An earlier trainer that saved again at step 5 after a SIGTERM during checkpoint-4 (no `stopped`
+    # figures of its own): the harness's count, steps lost from the last step logged.
+    old = stop_figures(
+        {
+            **scale_run(75),
+            "signal": {"step_at_signal": 4, "to_exit_seconds": 40.0},
+            "checkpoints": [2, 4, 5],
+            "steps_logged": [1, 2, 3, 4, 5],
+        }
+    )
+    assert old["saves_after_signal"] == 1 and old["steps_lost"] == 0
+    killed = stop_figures(
+        {**scale_run(-9), "signal": {"step_at_signal": 4}, "checkpoints": [2], "steps_logged": [4]}
+    )
+    assert killed["exit_code"] == -9 and killed["steps_lost"] is None
+
+
+def test_the_targets_are_met_or_say_what_limits_them() -> None:
+    from bench.scale import fits, size_figures, verdicts
+
+    params = 168_000_000
+    good = verdicts(size_figures(scale_runs(), params))
+    assert [v.met for v in good] == [True, True, None, True, True, True, True]  # (no training parts)
+    assert not any(v.limited_by for v in good)
+    assert good[0].value == (
+        "0.10 s at step 2 (0.05x), 0.10 s at step 4 (0.05x), 0.10 s at step 6 (0.05x)"
+        " of a 2.00 s median step (plain run); the periodic run's own steps 2.00 s"
+        " (1.00x plain's: each ran beside a save's background write)"
+    )
+    assert good[3].value == "4.00 GB / 2.69 GB = 1.49x"
+
+    bad = verdicts(size_figures(scale_runs(blocked=1.0, plain_gb=6.0, periodic_gb=8.8, exit_s=45.0), params))
+    assert [v.met for v in bad] == [False, False, None, False, False, False, True]
+    assert "staging copy of 2.0 GB" in bad[0].limited_by and "at 2.0 GB/s" in bad[0].limited_by
+    assert "+16.7 B/param" in bad[1].limited_by and "state / H" in bad[1].limited_by
+    assert bad[3].value == "6.00 GB / 2.69 GB = 2.23x" and "device memory is host memory" in bad[3].limited_by
+    assert bad[4].value.startswith("45.0 s, 0 step(s) lost, 0 save(s) after the signal")
+
+    # Resuming and exporting against the plain run's training peak; the export's gather group says why.
+    big = scale_runs()
+    big["resume_export"] = scale_run(
+        peak_gb=5.5,
+        peak_rss={"load": 1 * GB, "train": 4.2 * GB, "export": 5.5 * GB, "process": 5.5 * GB},
+        export={"largest_group_bytes": 672 * 10**6},
+    )
+    big["periodic"]["metrics"]["peak_rss"] = {"train": 5 * GB}  # the training parts: 5 / 4 GB
+    judged = verdicts(size_figures(big, params))
+    assert judged[2].met is False and judged[2].value == "5.00 GB / 4.00 GB = 1.25x"
+    assert judged[2].limited_by.startswith("+6.0 B/param: the staging copy")
+    resumed = judged[6]
+    assert resumed.met is False and resumed.value.startswith("5.50 GB / 4.00 GB = 1.38x")
+    assert "export 5.50 GB" in resumed.limited_by and "largest gather group is 0.67 GB" in resumed.limited_by
+
+    # A run that died (an earlier trainer OOM-killed) is a result: judged not met, no crash.
+    dead = scale_runs()
+    dead["plain"] = scale_run(-9, 20.0)
+    figures = size_figures(dead, params)
+    assert figures["periodic"]["peak_rss_to_plain"] is None
+    assert [v.met for v in verdicts(figures)][1] is None
+    # Over the sizes: peak = runtime + bytes per parameter.
+    by_size = {
+        "a": size_figures(scale_runs(), 100_000_000),
+        "b": {**size_figures(scale_runs(), 300_000_000), "plain": {"exit_code": 0, "peak_rss_bytes": 8 * GB}},
+    }
+    assert fits(by_size)["plain"] == {"intercept_gb": 2.0, "bytes_per_param": 20.0}
+
+
+def test_the_sampled_phase_peaks_split_the_run_at_the_data_and_the_last_step() -> None:
+    from bench.scale import phase_peaks
+
+    timeline = [(0.5, 100, 0, 0), (10.0, 300, 0, 0), (20.0, 900, 0, 0), (30.0, 700, 0, 0), (31.0, 500, 0, 0)]
+    assert phase_peaks(timeline, {"data_ready": 10.0, "last_step": 25.0}, 31.0) == {
+        "load": 300,
+        "train": 900,
+        "after": 700,
+    }
+    assert phase_peaks(timeline, {"data_ready": None, "last_step": None}, 31.0) == {}
+
+
+def test_the_scale_report_shows_both_trainers_and_the_verdicts(tmp_path: Path) -> None:
+    from bench import scale
+
+    def side(runs: dict[str, Any]) -> dict[str, Any]:
+        return {"170M": {"figures": scale.size_figures(runs, 168_000_000), "runs": runs}}
+
+    results: dict[str, Any] = {
+        "what": "made up",
+        "when": "2026-12-06 10:00-11:00 UTC",
+        "machine": {"cpus": 2, "memory_gib": 23.4},
+        "trainer": {"head": "6c46f5e"},
+        "sizes": side(scale_runs()),
+        "compare_ref": {
+            "ref": "768b6be",
+            "commit": "768b6be" + "0" * 33,
+            "sizes": side(scale_runs(blocked=8.0)),
+        },
+    }
+    scale._judge(results)
+    text = "\n".join(scale.report(results))
+    assert "current trainer (6c46f5e + working tree)" in text and "768b6be (768b6be; blocked" in text
+    assert "targets at 170M (current):" in text and "targets at 170M (768b6be):" in text
+    assert "periodic save blocks training: 8.00 s at step 2 (4.00x)" in text
+    assert "the whole save blocks" in text and "the staging copy of" not in text  # (the earlier trainer's)
+    assert scale.plot(results, tmp_path / "scale.png").is_file()
