@@ -38,7 +38,7 @@ sharded devices and exports it in groups of at most 1 GiB. So a host holds at mo
   DCN axes are written once, by the lowest rank holding them);
 - load: the largest tensor of the model (the embedding or LM head, vocab x hidden; an MLP matrix if
   larger), whole: a conservative bound on what the sliced loader holds at once;
-- export: one gather group, EXPORT_GROUP_BYTES;
+- export: one file group held on the host, EXPORT_GROUP_BYTES (gathered in parts of 256 MiB);
 
 on top of RUNTIME_HOST_GIB, an allowance for the Python runtime, torch_xla and libtpu, and the
 tokenised dataset. peak = runtime + max(load, save, export). `host_ram_refusal` is the same estimate

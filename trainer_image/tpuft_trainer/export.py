@@ -1,8 +1,8 @@
 """The fine-tuned model as a standard Hugging Face directory, without the whole model on any host.
 
-A full fine-tune's weights are fetched group by group (``Backend.full_tensors``: on XLA one gather per
-group of up to ``GROUP_BYTES``, compiled once) and each group is written as one safetensors file,
-``model-0000k-of-0000n.safetensors`` (``model.safetensors`` when there is one), with the index
+A full fine-tune's weights are fetched from the devices part by part (``Backend.full_tensors``: on XLA
+one gather per part of up to ``GATHER_BYTES``, compiled once per shape of part) and each group of up
+to ``FILE_BYTES`` is written as one safetensors file, ``model-0000k-of-0000n.safetensors`` (``model.safetensors`` when there is one), with the index
 ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` and the tokenizer: the
 layout ``from_pretrained`` reads. Every process takes part in each gather (a collective); file k is
 written by process k mod processes, so hosts share the writing and each holds one group at a time.
@@ -25,13 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpuft_trainer import host_memory
 from tpuft_trainer.checkpoint import layout
 from tpuft_trainer.checkpoint.backend import Backend
 from tpuft_trainer.checkpoint.state import hf_name
 
 log = logging.getLogger(__name__)
 
-GROUP_BYTES = 1 << 30  # per group: every device holds the whole group for a moment (the gather)
+FILE_BYTES = 1 << 30  # per safetensors file: what a host holds at once
+# Per gather: every device holds the whole gathered part for a moment (on TPU in HBM; on PJRT CPU,
+# where the devices are host memory, once per device).
+GATHER_BYTES = 1 << 28
 INDEX = "model.safetensors.index.json"
 
 
@@ -124,7 +128,7 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def groups_of(sizes: dict[str, int], limit: int = GROUP_BYTES) -> list[list[str]]:
+def groups_of(sizes: dict[str, int], limit: int = FILE_BYTES) -> list[list[str]]:
     """Consecutive names in groups of at most ``limit`` bytes (a larger tensor alone in its group)."""
     groups: list[list[str]] = [[]]
     total = 0
@@ -148,7 +152,8 @@ def export_weights(
     output: layout.Store,
     backend: Backend,
     *,
-    group_bytes: int = GROUP_BYTES,
+    group_bytes: int = FILE_BYTES,
+    gather_bytes: int = GATHER_BYTES,
 ) -> ExportRecord:
     """Writes ``tensors`` as safetensors files (+ index) at ``output``; every process calls it."""
     from safetensors.torch import save_file
@@ -160,9 +165,10 @@ def export_weights(
     record = ExportRecord(files=names, tensors=len(tensors), bytes=sum(sizes.values()))
     weight_map: dict[str, str] = {}
     for index, (group, file_name) in enumerate(zip(groups, names, strict=True)):
-        on_device = [_resolve(tensors[name]) for name in group]
-        host = backend.full_tensors(on_device)  # a collective: every process, every group
-        del on_device
+        host = []
+        for part in groups_of({name: sizes[name] for name in group}, min(gather_bytes, group_bytes)):
+            # A collective: every process, every part. Merged LoRA weights are computed here.
+            host += backend.full_tensors([_resolve(tensors[name]) for name in part])
         record.largest_group_bytes = max(record.largest_group_bytes, sum(sizes[n] for n in group))
         weight_map.update(dict.fromkeys(group, file_name))
         if index % backend.process_count == backend.process_index:
@@ -171,6 +177,7 @@ def export_weights(
             )
             record.written_here.append(file_name)
         del host
+        host_memory.release()
     backend.barrier()  # every file on storage before the index that names them
     if backend.process_index == 0 and len(names) > 1:
         contents = {"metadata": {"total_size": record.bytes}, "weight_map": weight_map}

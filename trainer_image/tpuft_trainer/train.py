@@ -24,6 +24,7 @@ from tpuft_trainer import (
     evaluation,
     export,
     fsdp_v2,
+    host_memory,
     loading,
     packing,
     recipe,
@@ -102,8 +103,8 @@ class RunRecord:
     # How the model was loaded: {sharded, why (when not), seconds}; and the final export's figures.
     model_load: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
-    # Peak resident memory of this process (bytes) at the end of each part: load, train, export
-    # (Linux VmHWM, reset between parts), and of the whole process.
+    # This process's peak resident memory (bytes, Linux VmHWM) by the end of each part: load, train
+    # (resume and saves included), export; a part that did not raise the peak shows the one before.
     peak_rss: dict[str, int] = field(default_factory=dict)
     # Seconds the stop channel made the steps wait, in all (0 with one process).
     stop_channel_wait_seconds: float = 0.0
@@ -163,7 +164,6 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
     # 4. Model (+ LoRA) and data. The model goes onto the mesh slice by slice (loading.py); a full
     # fine-tune resuming from a checkpoint skips the source's weights: the checkpoint has them all.
-    memory = _PeakMemory()
     load_started = time.monotonic()
     location = data.model_location(config.model)
     tokenizer = data.load_tokenizer(config.model, location)
@@ -190,7 +190,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     else:
         dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
         reference = None
-    record.peak_rss["load"] = memory.peak_and_reset()
+    record.peak_rss["load"] = host_memory.peak_bytes()
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
@@ -249,7 +249,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     if is_rank_zero:
         trainer.add_callback(_tensorboard_upload_callback(config))
     if kill_at_step := int(env.get(FAULT_KILL_AT_STEP_ENV, "0") or 0):
-        trainer.add_callback(_fault_injection_callback(kill_at_step))
+        trainer.add_callback(_fault_injection_callback(kill_at_step, manager))
     counter = throughput.TokenCounter(trainer)
 
     # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position); a stop
@@ -262,7 +262,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         stopper.close(wait=False)
         raise
     stopper.close()
-    record.peak_rss["train"] = memory.peak_and_reset()
+    record.peak_rss["train"] = host_memory.peak_bytes()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
     _throughput(record, recorder.step_times, counter, flops.per_token(training.max_seq_length))
@@ -277,9 +277,11 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         trainer.evaluate()
 
     # 7. The final model in the standard format, streamed from the devices group by group (export.py).
+    # The optimizer's state is no longer needed (the last checkpoint is written): its memory goes to
+    # the export's gathers.
+    _drop_optimizer_state(trainer)
     record.export = _export(trainer, tokenizer, config, store, backend, output, is_rank_zero)
-    record.peak_rss["export"] = memory.peak_and_reset()
-    record.peak_rss["process"] = memory.process_peak
+    record.peak_rss["export"] = host_memory.peak_bytes()
     record.final_step = int(trainer.state.global_step)
     record.seconds = round(time.monotonic() - started, 2)
     if is_rank_zero:
@@ -375,29 +377,6 @@ def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, i
     return found
 
 
-class _PeakMemory:
-    """Peak resident memory of this process, per part of the run (Linux: VmHWM, reset through
-    /proc/self/clear_refs between parts); 0 where the kernel does not say."""
-
-    def __init__(self) -> None:
-        self.process_peak = 0
-        self.peak_and_reset()
-
-    def peak_and_reset(self) -> int:
-        peak = 0
-        try:
-            with open("/proc/self/status") as status:
-                for line in status:
-                    if line.startswith("VmHWM:"):
-                        peak = int(line.split()[1]) * 1024
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")
-        except (OSError, ValueError):
-            pass
-        self.process_peak = max(self.process_peak, peak)
-        return peak
-
-
 class _SaveLog:
     """Completed saves into the attempt's record and the log, in the training thread."""
 
@@ -491,6 +470,15 @@ def _export(
         weights.largest_group_bytes / 1e9,
     )
     return asdict(weights)
+
+
+def _drop_optimizer_state(trainer: Any) -> None:
+    import torch_xla
+
+    trainer.optimizer.state.clear()
+    trainer.model.zero_grad(set_to_none=True)
+    torch_xla.sync()
+    host_memory.release()
 
 
 def _sub_store(store: layout.Store, name: str) -> layout.Store:
@@ -739,14 +727,18 @@ def _tensorboard_upload_callback(config: TrainerConfig) -> Any:
     return TensorBoardUploadCallback()
 
 
-def _fault_injection_callback(kill_at_step: int) -> Any:
+def _fault_injection_callback(kill_at_step: int, manager: CheckpointManager) -> Any:
     """Fault injection for tests and chaos drills (``TPUFT_FAULT_KILL_AT_STEP``): SIGKILL this process
-    at the end of step ``kill_at_step``, as a preempted or crashed host would die (no save, no exit)."""
+    at the end of step ``kill_at_step``, before that step's own save, as a preempted or crashed host
+    would die (no save, no exit). Deterministic: an earlier save still writing in the background is
+    finished first, so which checkpoints exist after the kill does not depend on the machine's speed
+    (a kill during a write is ``TPUFT_FAULT_KILL_IN_SAVE_AT_STEP``'s case)."""
     from transformers import TrainerCallback
 
     class FaultInjectionCallback(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.global_step == kill_at_step:
+                manager.wait()
                 log.warning("%s=%d: killing this process now", FAULT_KILL_AT_STEP_ENV, kill_at_step)
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tpuft_trainer import host_memory
 from tpuft_trainer.checkpoint import layout
 from tpuft_trainer.checkpoint.backend import Backend
 from tpuft_trainer.errors import ConfigError, PermissionDeniedError, TrainerError
@@ -147,6 +148,7 @@ class CheckpointManager:
                         out.write(data)
             _dcp_save(save.staged, self.store, name, self.backend.save_planner())
             save.staged = {}  # the host copy can go as soon as it is written
+            host_memory.release()
             if self.is_coordinator:
                 if self._faults.kill_before_marker == save.step:
                     log.warning(
@@ -167,6 +169,7 @@ class CheckpointManager:
             save.completed_at = time.monotonic()
             save.error = error
             save.staged = {}
+            host_memory.release()
             if self.is_coordinator:
                 try:
                     self.store.remove(name)
@@ -273,6 +276,7 @@ class CheckpointManager:
                 f"{found.name} at {self.store.url(found.name)} does not fit this run's model and optimizer "
                 f"(was it saved by a run of another model, method or optimizer?): {_first_line(cause)}"
             ) from error
+        host_memory.release()  # the read buffers
         extras: dict[str, Any] = json.loads(self.store.read_text(found.name, layout.OPTIMIZER_EXTRAS))
         self.newest_complete = found.step
         return extras
