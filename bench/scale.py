@@ -26,7 +26,8 @@ Measured by the harness for any trainer version: the child's peak RSS (`peak_rss
 ru_maxrss, the harness's samples of VmRSS every 0.25 s, and the trainer's own per-part peaks), wall
 times, the exit status, an RSS timeline (VmRSS, RssAnon, RssFile), and the CPU the rest of the
 machine used meanwhile (a run is re-run when others took more than DISTURBED of it). From the
-trainer's `<output>/tpuft-metrics.json`: `peak_rss` per part (VmHWM, reset between parts),
+trainer's `<output>/tpuft-metrics.json`: `peak_rss` by the end of each part (VmHWM; the trainer of
+768b6be reset it between parts),
 `step_seconds`, `compiles_after_step`, `attempt.checkpoints`, `stopped`, `model_load`, `export`.
 
 Against what: issue 38's targets on the 168M model (TARGET_*), and with `--compare-ref REF` the same
@@ -179,8 +180,8 @@ def _peak(run: dict[str, Any] | None) -> int | None:
 def peak_rss(ru_maxrss: int, sampled: int, trainer_parts: dict[str, int] | None) -> int:
     """The process's peak RSS: the largest of the kernel's ru_maxrss (os.wait4), the harness's samples
     and the trainer's own per-part peaks. ru_maxrss alone is not enough for a trainer that resets
-    VmHWM between parts (/proc/self/clear_refs): that resets the high-water mark ru_maxrss is taken
-    from too, which then holds the peak since the last reset (or an exiting thread's) only."""
+    VmHWM between parts (/proc/self/clear_refs, as 768b6be's did): that resets the high-water mark
+    ru_maxrss is taken from too, which then holds the peak since the last reset only."""
     return max(ru_maxrss, sampled, *(trainer_parts or {}).values())
 
 

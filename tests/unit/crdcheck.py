@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tpuft_dev.cluster import versions
 
@@ -76,8 +75,10 @@ def check_crd(crd_text: str) -> list[str]:
 
 def admit(crd_path: Path, cases: list[dict[str, Any]]) -> dict[str, list[str]]:
     """Case name -> error messages (empty: admitted). Each case: {name, object, old?}."""
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        yaml.safe_dump(cases, f)
+    # JSON is YAML to the tool (sigs.k8s.io/yaml) and ~50x faster to write than PyYAML's dump,
+    # which took 13 of the 17 s of test_cel_agrees_with_catalog's 4560 cases.
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(cases, f)
         f.flush()
         out = subprocess.run(
             [str(binary()), str(crd_path), f.name], capture_output=True, text=True, timeout=300
