@@ -1,7 +1,7 @@
 """A run loses no work to a stop (issue 17): SIGTERM mid-run makes every host save the step it reached
 and exit 75; the next start resumes there with the uninterrupted run's losses; a host that was not
-signalled joins the save; a save cut off by SIGKILL is never resumed from; the compilation cache
-is written and harms nothing."""
+signalled joins the save; the compilation cache is written and harms nothing. (A save cut off by
+SIGKILL is never resumed from: test_checkpoints.py, in the reshard chain.)"""
 
 from __future__ import annotations
 
@@ -36,14 +36,6 @@ def sigterm_then_resume() -> tuple[Proc, list[str], Proc, Path]:
     left = sorted(p.name for p in output.iterdir()) if output.exists() else []
     resumed = run_train(config, TPUFT_RESTART_ATTEMPT="1")
     return stopped, left, resumed, output
-
-
-def cut_off_save_then_resume() -> tuple[Proc, Proc, Path]:
-    """saveSteps 4: checkpoint-4 completes; the save of checkpoint-8 is SIGKILLed before its marker."""
-    config, output = write_config({})
-    killed = run_train(config, TPUFT_FAULT_KILL_IN_SAVE_AT_STEP="8")
-    resumed = run_train(config, TPUFT_RESTART_ATTEMPT="1")
-    return killed, resumed, output
 
 
 def two_hosts_one_signalled() -> tuple[list[Proc], list[Path]]:
@@ -86,7 +78,6 @@ def compilation_cache_twice() -> tuple[list[Proc], list[Path], Path, list[int]]:
 SPMD_JOBS = {
     "train:full": full,
     "goodput:sigterm": sigterm_then_resume,
-    "goodput:cut-off": cut_off_save_then_resume,
     "goodput:two-hosts": two_hosts_one_signalled,
     "goodput:cache": compilation_cache_twice,
 }
@@ -112,20 +103,6 @@ def test_sigterm_without_save_steps_checkpoints_the_step_reached_and_resume_lose
     assert sorted(got) == [6, 7, 8]  # no step was lost, none was done twice
     assert got == {step: reference[step] for step in (6, 7, 8)}
     assert (output / "model.safetensors").exists()
-
-
-def test_a_save_cut_off_by_sigkill_is_never_resumed_from(pool: Pool) -> None:
-    killed, resumed, output = pool.get("goodput:cut-off")
-    reference = losses(metrics(pool.get("train:full")[1]))
-    assert killed.returncode == -9, killed.tail()
-    assert resumed.returncode == 0, resumed.tail()
-    record = metrics(output)
-    # checkpoint-8 had every file but no marker: the newest *complete* checkpoint wins, and the
-    # cut-off one is removed before the Trainer saves into that name again.
-    assert record["resumed_from"] == "checkpoint-4"
-    assert "removed checkpoint-8: its save was cut off" in resumed.stderr
-    assert losses(record) == {step: reference[step] for step in (5, 6, 7, 8)}
-    assert (output / "checkpoint-8" / COMPLETE).exists()
 
 
 def test_a_host_that_was_not_signalled_joins_the_save_at_the_same_step(pool: Pool) -> None:
