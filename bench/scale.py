@@ -535,17 +535,23 @@ def verdicts(
                 "; it loads the whole model on the host (from_pretrained) and the full-file checkpoint"
                 " (optimizer.pt), and saves full-file checkpoints and the model gathered"
             )
-        if parts and max(parts, key=lambda k: parts[k]) == "export" and group:
+        # The part in which the peak was reached: the first, in run order, at the highest value (the
+        # current trainer's parts are cumulative peaks).
+        in_order = [k for k in ("load", "train", "export") if k in parts]
+        peak_part = next((k for k in in_order if parts[k] == max(parts.values())), None)
+        periodic_peak = (figures.get("periodic") or {}).get("peak_rss_bytes")
+        if peak_part == "export" and group:
             limit += (
                 f"; the export's largest gather group is {_gb(group)}: gathered on the devices (host memory"
                 " on PJRT CPU), copied to a host tensor and serialised, on top of the training state the"
                 " process still holds"
             )
-        elif parts and max(parts, key=lambda k: parts[k]) == "train":
+        elif peak_part == "train":
             limit += (
-                f"; the resumed run's training saves too (saveSteps), as the periodic run's does"
-                f" ({_gb((figures.get('periodic') or {}).get('train_peak_bytes'))}), and it holds what reading"
-                " the checkpoint left resident besides"
+                f"; the peak is in its training, which saves every {SAVE_STEPS} steps as the periodic run"
+                f" does (peak {_gb(periodic_peak)}; resume + export / periodic"
+                f" {_x(_ratio(resume.get('peak_rss_bytes'), periodic_peak))}): the saves' staging copy,"
+                " not the resume or the export"
             )
     out.append(
         Verdict(
