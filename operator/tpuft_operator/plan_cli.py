@@ -22,6 +22,23 @@ from tpuft_operator.api.validation import SpecError, parse
 from tpuft_operator.render.cli import load_documents
 
 
+class InvalidInput(click.ClickException):
+    """Input `tpuft plan` cannot estimate from. Exit 2: 1 means "does not fit"."""
+
+    exit_code = 2
+
+
+def _documents(path: Path) -> list[dict[str, object]]:
+    try:
+        return load_documents(path)
+    except OSError as error:
+        raise InvalidInput(
+            f"cannot read {path}: {error.strerror or error}; pass a TPUFineTune manifest (-f FILE, or - for stdin)"
+        ) from None
+    except click.ClickException as error:  # not YAML, or a document that is not a mapping
+        raise InvalidInput(error.message) from None
+
+
 def _hub_cache_dirs() -> list[Path]:
     dirs = []
     if os.environ.get("HF_HUB_CACHE"):
@@ -57,7 +74,10 @@ def model_dims(model: str, revision: str | None, params_billions: float | None) 
         try:
             found = planning.dims_from_config(json.loads(config.read_text()), f"config {config}")
         except (ValueError, KeyError) as error:
-            raise click.ClickException(f"cannot read {config}: {error}") from None
+            raise InvalidInput(
+                f"cannot read {config}: {error}; fix the file, or pass --params-billions N to estimate from a "
+                "typical architecture"
+            ) from None
     elif model in planning.KNOWN_MODELS:
         found = planning.KNOWN_MODELS[model]
     if params_billions is not None:
@@ -68,7 +88,7 @@ def model_dims(model: str, revision: str | None, params_billions: float | None) 
             )
         return replace(found, params=count, source=f"{found.source}; count from --params-billions")
     if found is None:
-        raise click.ClickException(
+        raise InvalidInput(
             f"no config.json for {model!r} on this machine (local directory or Hugging Face cache) and it is "
             "not in the built-in table; pass --params-billions N"
         )
@@ -85,9 +105,11 @@ def plan(path: Path, params_billions: float | None) -> None:
     Exits 0 when both estimates fit, 1 when either does not, 2 on invalid input. A spec the operator
     refuses because a host's RAM cannot hold it is shown in full (exit 1), not as invalid input.
     """
-    docs = [d for d in load_documents(path) if d.get("kind") == "TPUFineTune"]
+    docs = [d for d in _documents(path) if d.get("kind") == "TPUFineTune"]
     if not docs:
-        raise click.ClickException(f"{path}: no TPUFineTune found")
+        raise InvalidInput(
+            f"{path}: no TPUFineTune found (a document with apiVersion: tpuft.dev/v1alpha1 and kind: TPUFineTune)"
+        )
     fits = True
     for doc in docs:
         try:

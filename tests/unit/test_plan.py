@@ -225,6 +225,36 @@ def test_cli_exit_code_when_it_does_not_fit(tmp_path: Path) -> None:
     assert _run(tmp_path, obj).exit_code == 1
 
 
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("missing file", "cannot read"),
+        ("not yaml", "not valid YAML"),
+        ("no finetune", "no TPUFineTune found"),
+        ("unknown model", "--params-billions"),
+        ("broken config", "cannot read"),
+    ],
+)
+def test_cli_invalid_input_exits_2_not_the_does_not_fit_code(tmp_path: Path, case: str, says: str) -> None:
+    path = tmp_path / "ft.yaml"
+    obj = copy.deepcopy(FT)
+    if case == "not yaml":
+        path.write_text("spec: [unclosed\n")
+    elif case == "no finetune":
+        path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}))
+    elif case == "unknown model":
+        obj["spec"]["model"] = {"name": "acme/unknown-model"}
+    elif case == "broken config":
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        obj["spec"]["model"] = {"name": str(tmp_path / "model")}
+    if case in ("unknown model", "broken config"):
+        path.write_text(yaml.safe_dump(obj))
+    result = CliRunner().invoke(plan_command, ["-f", str(path)])
+    assert result.exit_code == 2 and says in result.output, (result.exit_code, result.output)
+    assert "Traceback" not in result.output
+
+
 def test_cli_invalid_spec_names_the_field(tmp_path: Path) -> None:
     obj = copy.deepcopy(FT)
     obj["spec"]["tpu"] = {"type": "v5e", "topology": "2x2x2"}
