@@ -350,6 +350,8 @@ class Plan:
     host: HostMemory  # host RAM per host, against the machine type's
     notes: list[str] = field(default_factory=list)
     global_batch: int = 0  # sequences per optimizer step (accumulation included)
+    batch_chips: int = 0  # the chips the batch is split over (every axis but tensor)
+    sequences_per_row: int = 1  # 2 for DPO: a preference pair is two sequences
     flops_per_token: float = 0.0
 
     @property
@@ -582,6 +584,8 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
         flops += 2 * model.active_matmul_params + 4 * model.num_layers * model.hidden_size * s
     return Plan(
         global_batch=rows * batch_chips * training.gradient_accumulation_steps,
+        batch_chips=batch_chips,
+        sequences_per_row=2 if dpo else 1,
         flops_per_token=flops,
         seq_len=s,
         name=f"{ft.metadata.namespace}/{ft.metadata.name}",
@@ -638,7 +642,9 @@ def _step_rows(p: Plan, ft: TPUFineTune) -> list[str]:
     return [
         "",
         "One optimizer step (estimate)",
-        f"  batch       {training.per_device_batch_size} per chip x {p.global_batch // training.per_device_batch_size // training.gradient_accumulation_steps} chips"
+        f"  batch       {training.per_device_batch_size}"
+        + (" pair(s) (2 sequences each)" if p.sequences_per_row == 2 else "")
+        + f" per chip x {p.batch_chips} chips"
         f" x {training.gradient_accumulation_steps} accumulated = {p.global_batch} sequences of {p.seq_len}"
         f" ({_count(p.global_batch * p.seq_len)} tokens)",
         f"  compute     {p.flops_per_token:.3g} model FLOPs per token (6N + 12 x layers x hidden x seq), "

@@ -282,6 +282,10 @@ def test_full_dpo_counts_a_sharded_reference_copy_and_two_sequences_per_pair() -
     assert dpo.total_bytes > sft.total_bytes
     text = planning.format_plan(dpo, _dpo("full"))
     assert "reference" in text and "sharded like the weights" in text
+    # The step line counts the slice's chips once: the pair doubles the sequences, not the chips.
+    chips = f"x {sft.batch_chips} chips"
+    assert chips in planning.format_plan(sft, ft()) and chips in text and "2 sequences each" in text
+    assert f"= {dpo.global_batch} sequences" in text
 
 
 def test_lora_dpo_has_no_reference_copy() -> None:
