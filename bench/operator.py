@@ -964,7 +964,7 @@ class Bench:
         (`operator_api`). The same arrivals, the same creates in flight, no reaction: every
         controller pays what this phase pays (both creates, on the same API server, in the same
         order) and more; the operator's latency is judged against it as well as against the direct
-        phase (`bench.__main__.zero_reaction_limit`).
+        phase (`bench.operator_report.zero_reaction_limit`).
 
         (Until 2026-12-03 each client thread created a TPUFineTune and then its JobSet before its next
         TPUFineTune: the arrivals slowed to the pace of the creates, so no run waited inside the API

@@ -13,6 +13,13 @@ matplotlib.use("Agg")  # no display: files only
 import matplotlib.pyplot as plt
 
 from bench.operator import RESULTS
+from bench.operator_report import (
+    TARGET_ALL_TO_DIRECT,
+    TARGET_P99_TO_LIMIT,
+    medians,
+    round_figures,
+    watched_phase,
+)
 
 PNG = RESULTS.with_suffix(".png")
 
@@ -25,14 +32,6 @@ def _cdf(ax: Any, samples: list[float], **style: Any) -> None:
 
 
 def plot(results: dict[str, Any], path: Path = PNG) -> Path:
-    from bench.__main__ import (
-        TARGET_ALL_TO_DIRECT,
-        TARGET_P99_TO_LIMIT,
-        medians,
-        round_figures,
-        watched_phase,
-    )
-
     phases = results["phases"]
     sizes = sorted({p["n"] for p in phases})
     colors = dict(zip(sizes, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), strict=False))

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.__main__ import creation_bound, operator_report, phase_orders, round_figures
 from bench.operator import (
     OPERATOR_USER,
     PHASES,
@@ -26,6 +25,7 @@ from bench.operator import (
     phase_order,
     wait_for_jobs,
 )
+from bench.operator_report import creation_bound, operator_report, phase_orders, round_figures
 
 ROOT = Path(__file__).resolve().parents[2]
 
