@@ -351,7 +351,6 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     global_batch: int = 0  # sequences per optimizer step (accumulation included)
     batch_chips: int = 0  # the chips the batch is split over (every axis but tensor)
-    sequences_per_row: int = 1  # 2 for DPO: a preference pair is two sequences
     flops_per_token: float = 0.0
 
     @property
@@ -585,7 +584,6 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
     return Plan(
         global_batch=rows * batch_chips * training.gradient_accumulation_steps,
         batch_chips=batch_chips,
-        sequences_per_row=2 if dpo else 1,
         flops_per_token=flops,
         seq_len=s,
         name=f"{ft.metadata.namespace}/{ft.metadata.name}",
@@ -643,7 +641,7 @@ def _step_rows(p: Plan, ft: TPUFineTune) -> list[str]:
         "",
         "One optimizer step (estimate)",
         f"  batch       {training.per_device_batch_size}"
-        + (" pair(s) (2 sequences each)" if p.sequences_per_row == 2 else "")
+        + (" pair(s) (2 sequences each)" if training.objective == "dpo" else "")
         + f" per chip x {p.batch_chips} chips"
         f" x {training.gradient_accumulation_steps} accumulated = {p.global_batch} sequences of {p.seq_len}"
         f" ({_count(p.global_batch * p.seq_len)} tokens)",

@@ -77,6 +77,11 @@ def logged_losses(proc: Proc) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in found}
 
 
+def checkpoint_lines(proc: Proc) -> str:
+    """The lines of a run's log that name a checkpoint (what it resumed from, skipped, removed)."""
+    return "\n".join(line for line in proc.stderr.splitlines() if "checkpoint-" in line)
+
+
 def full() -> tuple[Proc, Path]:
     """The reference run: 8 steps, a checkpoint every 4 (the same function in every module's
     SPMD_JOBS under the same name runs once per session)."""

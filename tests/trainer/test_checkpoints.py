@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from runs import full, logged_losses, losses, metrics, write_config
+from runs import checkpoint_lines, full, logged_losses, losses, metrics, write_config
 from spmd import Pool, Proc, run_case, run_train
 
 from tpuft_trainer.checkpoint import layout
@@ -75,7 +75,7 @@ def test_a_run_resumes_across_device_counts_and_meshes(pool: Pool) -> None:
     # The second attempt (2 devices): checkpoint-4 lost a shard after it completed, so it is skipped,
     # said so, unmarked, and saved again; training resumes from checkpoint-2.
     assert second.returncode == -9, second.tail()
-    said = "\n".join(line for line in second.stderr.splitlines() if "checkpoint-" in line)
+    said = checkpoint_lines(second)
     assert "not resuming from checkpoint-4" in said and "shard __0_0.distcp is missing" in said, said
     assert "unmarked checkpoint-4" in said, said
     assert "resuming from" in said and "checkpoint-2 (restart attempt 1)" in said, said
@@ -88,7 +88,7 @@ def test_a_run_resumes_across_device_counts_and_meshes(pool: Pool) -> None:
     # it is never resumed from and is removed before step 6 is saved into that name again; the
     # checkpoint-4 the 2-device attempt re-saved is the newest complete one.
     assert third.returncode == 0, third.tail()
-    said = "\n".join(line for line in third.stderr.splitlines() if "checkpoint-" in line)
+    said = checkpoint_lines(third)
     assert "removed checkpoint-6: its save was cut off" in said, said
     record = metrics(output)
     assert record["resumed_from"] == "checkpoint-4"
