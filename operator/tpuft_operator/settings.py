@@ -11,7 +11,7 @@ from typing import Any
 
 from tpuft_operator.api.policy import DEFAULT_MAX_CHIPS, DEFAULT_VOLUME_TYPES, AdminPolicy
 from tpuft_operator.pacing import DEFAULT_WRITE_BURST, DEFAULT_WRITE_QPS
-from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, RenderSettings
+from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_USER, RenderSettings
 
 
 def _setting(default: Any, help: str, env: str, **extra: Any) -> Any:
@@ -171,9 +171,10 @@ class OperatorSettings:
         False, "Every run must set spec.queueName (a Kueue LocalQueue).", "TPUFT_REQUIRE_QUEUE_NAME"
     )
     run_as_user: int = _setting(
-        0,
-        "Trainer pods run as this numeric non-root user and meet the restricted Pod Security Standard "
-        "(0: off, pods run as the image's user with the baseline settings).",
+        TRAINER_IMAGE_USER,
+        "Trainer pods run as this numeric user; non-root, they meet the restricted Pod Security Standard "
+        "(0: root with the baseline settings, for node pools whose TPU device files a non-root user "
+        "cannot open).",
         "TPUFT_RUN_AS_USER",
     )
     trainer_network_policy: bool = _setting(
@@ -206,7 +207,7 @@ class OperatorSettings:
             trainer_image=self.trainer_image,
             progress_min_interval_seconds=self.progress_interval_seconds,
             termination_grace_period_seconds=self.termination_grace_period_seconds,
-            run_as_user=self.run_as_user or None,
+            run_as_user=self.run_as_user,
             network_policy=self.trainer_network_policy,
         )
 

@@ -384,7 +384,7 @@ def test_template_passes_server_side_dry_run(
         } in role["rules"]
     if value_set == "default":
         assert not by_kind(objects, "NetworkPolicy")
-        assert env["TPUFT_RUN_AS_USER"] == "0" and env["TPUFT_TRAINER_NETWORK_POLICY"] == "false"
+        assert env["TPUFT_RUN_AS_USER"] == "1000" and env["TPUFT_TRAINER_NETWORK_POLICY"] == "false"
     if value_set == "custom":
         assert container["image"] == "registry.example.com/platform/tpuft-operator:0.1.0-rc1"
         assert env["TPUFT_TRAINER_IMAGE"].endswith("@sha256:" + "a" * 64)

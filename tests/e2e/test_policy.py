@@ -6,14 +6,16 @@ another Secret, another ServiceAccount, a foreign image, too many chips) plus a 
 own namespace. The operator is installed four ways, as an admin would configure the chart:
 
 1. defaults: every attack is refused at `kubectl create`, the field named; a run in a namespace
-   enforcing the `restricted` Pod Security Standard, and one in a namespace whose ResourceQuota
-   allows no TPU, say why within seconds (ReplicaFailure, the apiserver's words);
+   enforcing the `restricted` Pod Security Standard gets its pods (restricted by default), and one
+   in a namespace whose ResourceQuota allows no TPU says why within seconds (ReplicaFailure, the
+   apiserver's words);
 2. defaults without the admission policy (policy.admission=false) and requireQueueName: the
    operator fails every attack itself (Valid=False, InvalidSpec, the field named), creating nothing;
 3. the same with the admission policy: a run without spec.queueName is refused at create;
-4. every rule loosened, trainerSecurity.restricted and networkPolicy.trainers on: the attacks are
-   accepted and run (kwok pods Running), a run in the restricted namespace runs with a restricted
-   pod, and each run gets its NetworkPolicy (admitted by the apiserver; kwok enforces none).
+4. every rule loosened, trainerSecurity.restricted off and networkPolicy.trainers on: the attacks
+   are accepted and run (kwok pods Running), a run in the restricted namespace says within seconds
+   that PodSecurity refuses its root pods, and each run gets its NetworkPolicy (admitted by the
+   apiserver; kwok enforces none).
 
 The session's operator (tests/e2e/conftest.py) is stopped meanwhile and restored afterwards.
 """
@@ -66,7 +68,7 @@ LOOSENED = (
     "--set",
     "policy.maxChipsPerRun=512",
     "--set",
-    "trainerSecurity.restricted=true",
+    "trainerSecurity.restricted=false",  # the opt-out for node pools whose TPU devices need root
     "--set",
     "networkPolicy.enabled=true",
     "--set",
@@ -204,25 +206,32 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
         ), stderr
     assert not get_json(local_cluster, "tpuft", "-n", namespace)["items"]
 
-    # Pods the apiserver refuses: the run says so, in the apiserver's words, within seconds.
+    # By default trainer pods meet the restricted standard: the apiserver admits them there.
     local_cluster.apply([finetune("pss", restricted), finetune("quota", quota), finetune("jobs", no_jobs)])
-    seconds, pss = refused_within(local_cluster, "pss", restricted)
-    assert 'violates PodSecurity "restricted:latest"' in pss["message"], pss
-    assert "runAsNonRoot" in pss["message"] and pss["reason"] == "FailedCreate"
-    assert seconds < 15, f"took {seconds:.1f}s"
+    (pod, *_) = wait_for(
+        lambda: get_json(local_cluster, "pods", "-n", restricted, "-l", "tpuft.dev/finetune=pss")["items"],
+        timeout=60,
+        what="the run's pods in the namespace enforcing restricted",
+    )
+    security = pod["spec"]["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == 1000
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = pod["spec"]["containers"][0]["securityContext"]
+    assert container["capabilities"] == {"drop": ["ALL"]} and container["allowPrivilegeEscalation"] is False
+    # Pods the apiserver refuses: the run says so, in the apiserver's words, within seconds.
     seconds, over = refused_within(local_cluster, "quota", quota)
     assert "exceeded quota: no-tpus" in over["message"] and seconds < 15, over
     # Jobs the apiserver refuses (the JobSet controller's JobCreationFailed): the same, in its words.
     seconds, jobs = refused_within(local_cluster, "jobs", no_jobs)
     assert jobs["message"].startswith("the JobSet controller cannot create the run's Jobs: "), jobs
     assert "exceeded quota: no-jobs" in jobs["message"] and seconds < 15, jobs
-    assert status(local_cluster, "pss", restricted)["phase"] == "Pending"
+    assert condition({"status": status(local_cluster, "pss", restricted)}, "ReplicaFailure") is None
     events = get_json(
         local_cluster,
         "events",
         "-n",
-        restricted,
-        "--field-selector=involvedObject.name=pss,reason=ReplicaFailure",
+        quota,
+        "--field-selector=involvedObject.name=quota,reason=ReplicaFailure",
     )["items"]
     assert events and events[0]["type"] == "Warning"
     assert not get_json(local_cluster, "networkpolicies", "-n", restricted)["items"]  # off by default
@@ -305,14 +314,14 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     big = "policy-512-chips"
     small = [c["name"] for c in runs if c["name"] != big]
     local_cluster.add_nodepool("v5e", "2x2", slices=len(small) + 1, prefix=unique("loose"))
-    # A restricted namespace: with trainerSecurity.restricted the run's pods are admitted and run.
+    # A restricted namespace: with trainerSecurity.restricted off the pods run as root and are refused.
     restricted = unique("pss")
     local_cluster.kubectl("create", "namespace", restricted)
     local_cluster.kubectl("label", "namespace", restricted, "pod-security.kubernetes.io/enforce=restricted")
     local_cluster.apply(
         [
             finetune(
-                "pss-ok",
+                "pss-root",
                 restricted,
                 tpu={"type": "v5e", "topology": "2x2"},
                 pod_annotations=kwok.hold_running("600s"),
@@ -336,18 +345,11 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     big_status = status(local_cluster, big, namespace)
     assert big_status["phase"] == "Pending" and big_status["chips"] == 512, big_status
     assert condition({"status": big_status}, "Valid")["status"] == "True"  # type: ignore[index]
-    pss = wait_for(
-        lambda: (s := status(local_cluster, "pss-ok", restricted)).get("phase") == "Running" and s,
-        timeout=60,
-        what="the run in the restricted namespace to run",
-    )
-    assert condition({"status": pss}, "ReplicaFailure") is None
-    (pod,) = get_json(local_cluster, "pods", "-n", restricted, "-l", "tpuft.dev/finetune=pss-ok")["items"]
-    security = pod["spec"]["securityContext"]
-    assert security["runAsNonRoot"] is True and security["runAsUser"] == 1000
-    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
-    container = pod["spec"]["containers"][0]["securityContext"]
-    assert container["capabilities"] == {"drop": ["ALL"]} and container["allowPrivilegeEscalation"] is False
+    seconds, pss = refused_within(local_cluster, "pss-root", restricted)
+    assert 'violates PodSecurity "restricted:latest"' in pss["message"], pss
+    assert "runAsNonRoot" in pss["message"] and pss["reason"] == "FailedCreate"
+    assert seconds < 15, f"took {seconds:.1f}s"
+    assert status(local_cluster, "pss-root", restricted)["phase"] == "Pending"
     # The loosened powers reached the pods as asked (the hostPath, the other account, the env).
     pods = {
         p["metadata"]["labels"]["tpuft.dev/finetune"]: p

@@ -168,8 +168,8 @@ def test_trainer_pods_cannot_escalate(
         for host in ("hostNetwork", "hostPID", "hostIPC"):
             assert not spec.get(host), host
         assert spec["serviceAccountName"] == naming.TRAINER_SERVICE_ACCOUNT
-    # With run_as_user set (the documented option), pods are non-root and drop every capability.
-    hardened = render_run(body, RenderSettings(run_as_user=1000)).jobset
+    # By default pods are non-root and drop every capability (restricted).
+    hardened = render_run(body, RenderSettings()).jobset
     pod = hardened["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}

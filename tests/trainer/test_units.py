@@ -493,3 +493,38 @@ def test_preference_rows_are_checked_and_renamed() -> None:
     same = DatasetSource(name="pairs", format="preference", chosen_field="prompt", rejected_field="bad")
     with pytest.raises(DataError, match="three different fields"):
         dpo.preference_rows(rows, same, tok)
+
+
+# ---- TPU device files and the pod's user -----------------------------------------------------------
+def test_a_non_root_user_that_cannot_open_the_tpu_devices_is_told_why_and_what_to_change(
+    tmp_path: Path,
+) -> None:
+    from tpuft_trainer import device_access
+    from tpuft_trainer.errors import PermissionDeniedError
+
+    (tmp_path / "vfio").mkdir()
+    for name in ("vfio/0", "vfio/vfio", "accel0"):
+        (tmp_path / name).touch()
+    (tmp_path / "null").touch()  # not a TPU device
+    found = device_access.tpu_devices(tmp_path)
+    assert [Path(d.path).relative_to(tmp_path).as_posix() for d in found] == ["accel0", "vfio/0", "vfio/vfio"]
+
+    def device(path: str, uid: int, gid: int, mode: int) -> device_access.Device:
+        return device_access.Device(path, uid, gid, mode)
+
+    root_only = [device("/dev/vfio/0", 0, 0, 0o600), device("/dev/vfio/vfio", 0, 0, 0o666)]
+    device_access.check_tpu_device_access(root_only, uid=0, gids=[0])  # root opens anything
+    with pytest.raises(PermissionDeniedError) as refused:
+        device_access.check_tpu_device_access(root_only, uid=1000, gids=[1000])
+    message = str(refused.value)
+    assert "/dev/vfio/0 (owner 0:0, mode 0600)" in message and "/dev/vfio/vfio" not in message
+    assert "user 1000" in message and "trainerSecurity.restricted=false" in message
+    assert refused.value.exit_code == ExitCode.PERMISSION_DENIED  # a setting: not restarted
+    # The runtime handing ownership to the pod's user (device_ownership_from_security_context), or a
+    # group the user is in, or a world-writable node: all open.
+    device_access.check_tpu_device_access([device("/dev/vfio/0", 1000, 1000, 0o600)], uid=1000, gids=[1000])
+    device_access.check_tpu_device_access([device("/dev/accel0", 0, 44, 0o660)], uid=1000, gids=[1000, 44])
+    device_access.check_tpu_device_access([device("/dev/accel0", 0, 0, 0o666)], uid=1000, gids=[1000])
+    with pytest.raises(PermissionDeniedError):  # read-only is not enough
+        device_access.check_tpu_device_access([device("/dev/accel0", 0, 0, 0o644)], uid=1000, gids=[1000])
+    device_access.check_tpu_device_access([], uid=1000, gids=[1000])  # a CPU host: nothing to check

@@ -170,7 +170,10 @@ def test_chart_defaults_are_the_operators() -> None:
     assert values["requireQueueName"] is default.require_queue
     settings = OperatorSettings()
     assert settings.admin_policy() == default
-    assert settings.run_as_user == 0 and RenderSettings().run_as_user is None
+    # Restricted by default, everywhere: the chart's value, the operator's setting, `tpuft render`.
+    security = yaml.safe_load((ROOT / "charts" / "tpuft" / "values.yaml").read_text())["trainerSecurity"]
+    assert security["restricted"] is True
+    assert settings.run_as_user == RenderSettings().run_as_user == security["runAsUser"]
     # "none" stands for an empty list in the env var (an empty env var would mean the default).
     assert OperatorSettings(allowed_volume_types=("none",)).admin_policy().volume_types == ()
 
@@ -224,7 +227,7 @@ def test_the_restricted_user_is_the_trainer_images_user() -> None:
         if line.startswith("USER ")
     ]
     assert users and users[-1].split(":") == [str(values["runAsUser"])] * 2
-    assert values["restricted"] is False  # off until GKE documents non-root TPU device access
+    assert values["restricted"] is True  # the safe setting is the one people get
 
 
 def test_a_run_gets_its_network_policy_only_when_asked_and_only_with_a_uid() -> None:
@@ -248,14 +251,12 @@ def test_a_run_gets_its_network_policy_only_when_asked_and_only_with_a_uid() -> 
 def test_restricted_trainer_pods_meet_the_restricted_standard() -> None:
     from tpuft_operator.render import render_run
 
-    pod = render_run(run(), RenderSettings(run_as_user=1000)).jobset["spec"]["replicatedJobs"][0]["template"][
-        "spec"
-    ]["template"]["spec"]
+    pod = render_run(run()).jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["securityContext"] == {
         "seccompProfile": {"type": "RuntimeDefault"},
-        "runAsNonRoot": True,
         "runAsUser": 1000,
         "runAsGroup": 1000,
+        "runAsNonRoot": True,
         "fsGroup": 1000,
     }
     container = pod["containers"][0]["securityContext"]
@@ -265,7 +266,18 @@ def test_restricted_trainer_pods_meet_the_restricted_standard() -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert OperatorSettings(run_as_user=1000).render_settings().run_as_user == 1000
-    assert OperatorSettings().render_settings().run_as_user is None
+    assert OperatorSettings().render_settings().run_as_user == 1000
+    # The opt-out (trainerSecurity.restricted=false sets TPUFT_RUN_AS_USER=0): root, baseline.
+    assert OperatorSettings(run_as_user=0).render_settings().run_as_user == 0
+    opted_out = render_run(run(), RenderSettings(run_as_user=0)).jobset["spec"]["replicatedJobs"][0]
+    pod = opted_out["template"]["spec"]["template"]["spec"]
+    # Root said explicitly (the image's USER is 1000, which is what the opt-out is for).
+    assert pod["securityContext"] == {
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsUser": 0,
+        "runAsGroup": 0,
+    }
+    assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False}
 
 
 def test_one_default_trainer_image_for_render_operator_and_chart() -> None:

@@ -257,11 +257,11 @@ def test_spot_and_reservation_selectors() -> None:
 
 
 def test_security_context() -> None:
-    pod = pod_spec(render_run(BASE).jobset)
+    pod = pod_spec(render_run(BASE).jobset)  # restricted by default
     assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
-    assert "runAsNonRoot" not in pod["securityContext"]
-    pod = pod_spec(render_run(BASE, RenderSettings(run_as_user=1000)).jobset)
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    pod = pod_spec(render_run(BASE, RenderSettings(run_as_user=0)).jobset)  # the opt-out: root, baseline
+    assert "runAsNonRoot" not in pod["securityContext"] and pod["securityContext"]["runAsUser"] == 0
 
 
 def test_trainer_env_for_the_world() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from tpuft_trainer import (
     data,
+    device_access,
     dpo,
     evaluation,
     export,
@@ -117,6 +118,9 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
     # 1. Where this process stands; refuse multi-host shapes whose environment cannot join up.
     world = detect_world(config.world, env)
+    # Pods run as a non-root user by default: say so plainly if it cannot open the chips (before
+    # libtpu tries and fails in its own words).
+    device_access.check_tpu_device_access()
     attempt = Attempt(process_start_time(), grace_seconds=config.stop.grace_seconds)
     fsdp_v2.use_fsdp_v2()
     import torch_xla.runtime as xr

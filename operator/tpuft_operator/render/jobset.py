@@ -168,18 +168,17 @@ def resources(ft: TPUFineTune, shape: SliceShape) -> Obj:
 
 
 def security_context(settings: RenderSettings) -> tuple[Obj, Obj]:
-    """(pod, container) security contexts.
+    """(pod, container) security contexts: the restricted Pod Security Standard for a non-root user,
+    baseline for root. The user is always explicit: the image's USER is not root.
 
     Why no `privileged`: GKE TPU pods reach the chips through the device plugin without privileged mode
     since GKE 1.28. Why root stays possible: see RenderSettings.run_as_user.
     """
-    pod: Obj = {"seccompProfile": {"type": "RuntimeDefault"}}
+    user = settings.run_as_user
+    pod: Obj = {"seccompProfile": {"type": "RuntimeDefault"}, "runAsUser": user, "runAsGroup": user}
     container: Obj = {"allowPrivilegeEscalation": False, "privileged": False}
-    if settings.run_as_user is not None:
-        pod.update(
-            {"runAsNonRoot": True, "runAsUser": settings.run_as_user, "runAsGroup": settings.run_as_user}
-        )
-        pod["fsGroup"] = settings.run_as_user
+    if user != 0:
+        pod.update({"runAsNonRoot": True, "fsGroup": user})
         container["capabilities"] = {"drop": ["ALL"]}
     return pod, container
 

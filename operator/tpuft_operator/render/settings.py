@@ -12,6 +12,9 @@ from tpuft_trainer.pod_contract import DEFAULT_TOKEN_ENV
 
 # The one default (the operator's setting, the chart's trainerImage and `tpuft render`).
 DEFAULT_TRAINER_IMAGE = "ghcr.io/tpuft/trainer:0.1.0"
+# The trainer image's numeric USER (trainer_image/Dockerfile; a test holds them equal): the user
+# trainer pods run as by default, so they meet the restricted Pod Security Standard.
+TRAINER_IMAGE_USER = 1000
 
 
 @dataclass(frozen=True)
@@ -23,10 +26,10 @@ class RenderSettings:
     token_env: str = DEFAULT_TOKEN_ENV
     # Time the trainer gets after SIGTERM (preemption, suspend) to finish writing a checkpoint.
     termination_grace_period_seconds: int = 60
-    # When set, pods run as this non-root user and group and meet the restricted Pod Security
-    # Standard. Off by default: GKE documents TPU pods without privileged mode (since 1.28) but not
-    # that a non-root user may open the TPU device files (/dev/vfio/*, /dev/accel*).
-    run_as_user: int | None = None
+    # Pods run as this user and group. Non-root (the default: the trainer image's user), they meet the
+    # restricted Pod Security Standard. 0: root with the baseline settings, for node pools whose TPU
+    # device files a non-root user cannot open (the trainer says so: device_access.py).
+    run_as_user: int = TRAINER_IMAGE_USER
     # A NetworkPolicy per run: its pods accept connections only from the same run's pods.
     network_policy: bool = False
     # How often rank 0 may patch the TPUFineTune's progress.
