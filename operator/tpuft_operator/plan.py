@@ -11,10 +11,22 @@ The estimate, per chip, for a decoder-only transformer trained with FSDPv2 (PyTo
   no first moment, factored second moment) keeps one row and one column vector per matrix;
 - activations for one chip's batch (perDeviceBatchSize x maxSeqLength tokens), per layer and token:
   the tensors a Llama-style layer saves for backward, 7h + 2·kv + 4·I values (h hidden size, kv the
-  key/value width, I the MLP width; 2·I for a non-gated MLP), plus 2·heads·seq values of attention
-  scores and probabilities (eager attention materialises them). With gradient checkpointing only each
+  key/value width, I the MLP width; 2·I for a non-gated MLP). With gradient checkpointing only each
   layer's input (h values per token) is kept, and one layer at a time is recomputed;
-- logits: vocab values per token in the model dtype plus the float32 copy the loss is computed in.
+- attention: a layer's scores and probabilities, heads x seq x seq values of each per sequence. The
+  trainer runs transformers' SDPA/eager attention, which on XLA has no flash kernel and materialises
+  them: at long sequences they outgrow everything else. One layer's with checkpointing, every layer's
+  without;
+- logits: vocab values per token in the model dtype plus the float32 copy the loss is computed in;
+- gathered: what FSDPv2 makes whole on every chip for a moment. XLA all-gathers a wrapped decoder
+  layer's weights before it runs (and in the backward pass holds its full, not yet reduce-scattered,
+  gradients too), and the embedding / LM head, which no decoder layer wraps, the same way; the next
+  layer's gather overlaps the LM head's, so one layer and the head are counted together.
+
+Activations, attention and logits grow with the chip's tokens (perDeviceBatchSize x maxSeqLength);
+the rest does not. When those are most of an estimate that does not fit, the advice is what shrinks
+them (a shorter maxSeqLength, perDeviceBatchSize 1 with gradientAccumulationSteps, checkpointing):
+LoRA, adafactor and a larger topology only shrink the weights' share.
 
 With objective `dpo` every pair is two sequences (prompt + chosen, prompt + rejected), so the batch's
 activations double; the reference model adds a frozen copy of the weights, sharded like them, for
@@ -113,6 +125,34 @@ class ModelDims:
     def q_width(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer: what FSDPv2 gathers whole before the layer runs."""
+        return decoder_layer_params(
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            gated_mlp=self.gated_mlp,
+            experts=self.experts,
+        )
+
+    @property
+    def lm_head_params(self) -> int:
+        """The LM head (vocab x hidden; the embedding is the same shape, and the same tensor when tied)."""
+        return self.vocab_size * self.hidden_size
+
+
+def decoder_layer_params(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, *, gated_mlp: bool, experts: int
+) -> int:
+    """Weights of one Llama-style decoder layer: q, o, k, v; the MLP (every expert's, and the router of a
+    mixture); two norms."""
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = (3 if gated_mlp else 2) * hidden * intermediate * experts + (hidden * experts if experts > 1 else 0)
+    return attention + mlp + 2 * hidden
+
 
 def dims(
     *,
@@ -134,9 +174,7 @@ def dims(
     kv_heads = num_kv_heads or num_heads
     hd = head_dim or hidden_size // num_heads
     h, i = hidden_size, intermediate_size
-    attention = h * num_heads * hd * 2 + h * kv_heads * hd * 2  # q, o; k, v
-    mlp = (3 if gated_mlp else 2) * h * i * experts + (h * experts if experts > 1 else 0)
-    per_layer = attention + mlp + 2 * h  # + two norms
+    per_layer = decoder_layer_params(h, num_heads, kv_heads, hd, i, gated_mlp=gated_mlp, experts=experts)
     embeddings = vocab_size * h * (1 if tied_embeddings else 2)
     return ModelDims(
         params=num_layers * per_layer + embeddings + h,
@@ -295,6 +333,9 @@ class MemoryLine:
     name: str
     bytes: float
     detail: str
+    # Grows with the chip's tokens (perDeviceBatchSize x maxSeqLength): what a smaller batch or a shorter
+    # sequence shrinks, and LoRA, adafactor or more chips do not.
+    grows_with_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -370,6 +411,19 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.total_bytes <= self.usable_bytes
+
+    @property
+    def token_bytes(self) -> float:
+        """The lines that grow with the chip's tokens: activations, attention scores, logits."""
+        return sum(line.bytes for line in self.lines if line.grows_with_tokens)
+
+    @property
+    def activations_dominate(self) -> bool:
+        """Most of the estimate is the batch's activations: only fewer tokens per chip can fix it."""
+        return self.token_bytes > self.total_bytes / 2
+
+    def line_bytes(self, name: str) -> float:
+        return sum(line.bytes for line in self.lines if line.name == name)
 
 
 def lora_trainable(
@@ -548,17 +602,27 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
     rows = 2 * b if dpo else b  # a preference pair is two sequences
     tokens = rows * s
     mlp = (4 if model.gated_mlp else 2) * model.intermediate_size
-    per_token_layer = (7 * model.hidden_size + 2 * model.kv_width + mlp) * w
-    scores = 2 * model.num_heads * s * w  # scores + probabilities, per token, eager attention
-    one_layer = tokens * (per_token_layer + scores)
+    one_layer = tokens * (7 * model.hidden_size + 2 * model.kv_width + mlp) * w
+    scores = attention_score_bytes(model, rows, s, w)
     if spec.fsdp.gradient_checkpointing:
         activations = model.num_layers * tokens * model.hidden_size * w + one_layer
         how = f"checkpointing: {model.num_layers} layer inputs + 1 layer recomputed"
+        layers_scored = 1
     else:
         activations = model.num_layers * one_layer
         how = f"no checkpointing: all {model.num_layers} layers kept"
+        layers_scored = model.num_layers
     per_chip = f"{b} pairs = {rows} x {s} tokens per chip" if dpo else f"{b} x {s} tokens per chip"
-    lines.append(MemoryLine("activations", activations, f"{per_chip}; {how}"))
+    lines.append(MemoryLine("activations", activations, f"{per_chip}; {how}", grows_with_tokens=True))
+    lines.append(
+        MemoryLine(
+            "attention",
+            layers_scored * scores,
+            f"{rows} x {model.num_heads} heads x {s} x {s} scores + probabilities x {layers_scored} layer(s)"
+            " (SDPA/eager attention on XLA, no flash kernel)",
+            grows_with_tokens=True,
+        )
+    )
     if dpo:
         tile = min(tokens, DPO_LOGPROB_TILE)
         lines.append(
@@ -566,6 +630,7 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
                 "logits",
                 tile * model.vocab_size * (w + 4),
                 f"{model.vocab_size} vocab x a tile of {tile} positions (trl's fused LM head), + float32",
+                grows_with_tokens=True,
             )
         )
     else:
@@ -574,8 +639,10 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
                 "logits",
                 tokens * model.vocab_size * (w + 4),
                 f"{model.vocab_size} vocab, + float32 for the loss",
+                grows_with_tokens=True,
             )
         )
+    lines.append(gathered_line(model, training.method, trainable, tensor, w))
 
     batch_chips = shape.chips // tensor  # the batch splits over every axis but tensor
     flops = model.flops_per_token(s, full=training.method == "full")
@@ -603,6 +670,36 @@ def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
 DPO_LOGPROB_TILE = 32768
 
 
+def attention_score_bytes(model: ModelDims, rows: int, seq_len: int, dtype_bytes: int) -> float:
+    """One layer's attention scores and probabilities for ``rows`` sequences: heads x seq x seq of each.
+    transformers' SDPA and eager attention materialise both on XLA (no flash kernel), so this grows
+    with the square of maxSeqLength while every other activation grows linearly."""
+    return rows * 2 * model.num_heads * seq_len * seq_len * dtype_bytes
+
+
+def gathered_line(model: ModelDims, method: str, trainable: int, tensor: int, dtype_bytes: int) -> MemoryLine:
+    """What FSDPv2 holds whole on every chip for a moment, beyond each chip's shard.
+
+    XLA all-gathers a wrapped decoder layer's weights before the layer runs; in the backward pass the
+    layer's gradients are whole too until they are reduce-scattered (with LoRA, only the adapters have
+    gradients). The embedding / LM head belong to no decoder layer and are gathered the same way, and the
+    LM head's gradient is whole before its reduce-scatter while the next layer's gather is already under
+    way: one layer and the head are counted together. The tensor axis still splits a layer's
+    projections; it does not split the LM head."""
+    full = method == "full"
+    layer_grads = model.layer_params if full else trainable // model.num_layers
+    layer = (model.layer_params + layer_grads) * dtype_bytes / tensor
+    head = model.lm_head_params * dtype_bytes * (2 if full else 1)
+    what = "weights + gradients" if full else "weights + adapter gradients"
+    head_what = "weights + gradient" if full else "weights, frozen"
+    return MemoryLine(
+        "gathered",
+        layer + head,
+        f"FSDPv2 all-gathers, whole on every chip: a decoder layer's {what} ({_gib(layer).strip()})"
+        f" + the LM head/embedding, {model.vocab_size} x {model.hidden_size}, {head_what} ({_gib(head).strip()})",
+    )
+
+
 def _count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -614,19 +711,56 @@ def _gib(n: float) -> str:
     return f"{n / GIB:8.2f} GiB"
 
 
-def suggestions(p: Plan, ft: TPUFineTune) -> list[str]:
-    """What to change when it does not fit, largest lever first."""
+def token_levers(p: Plan, ft: TPUFineTune) -> list[str]:
+    """What shrinks the lines that grow with the chip's tokens (activations, attention, logits)."""
+    training = ft.spec.training
     out = []
     if not ft.spec.fsdp.gradient_checkpointing:
         out.append("turn on fsdp.gradientCheckpointing")
-    if ft.spec.training.per_device_batch_size > 1:
-        out.append("lower training.perDeviceBatchSize")
+    if training.per_device_batch_size > 1:
+        steps = training.per_device_batch_size * training.gradient_accumulation_steps
+        out.append(
+            f"training.perDeviceBatchSize: 1 with training.gradientAccumulationSteps: {steps}"
+            f" (the same global batch, {p.global_batch} sequences)"
+        )
+    if p.activations_dominate:
+        out.append(
+            "a shorter training.maxSeqLength (all of them shrink with it, the attention scores with its square)"
+        )
+    return out
+
+
+def weight_levers(p: Plan, ft: TPUFineTune) -> list[str]:
+    """What shrinks the lines that do not depend on the batch: weights, gradients, optimizer state."""
+    out = []
     if p.method == "full":
         out.append("use training.method: lora")
     if ft.spec.training.optimizer == "adamw":
         out.append("use training.optimizer: adafactor")
     out.append("use a larger topology (weights shard over every chip of a slice)")
     return out
+
+
+def suggestions(p: Plan, ft: TPUFineTune) -> list[str]:
+    """What to change when it does not fit, largest lever first. When the batch's activations are most
+    of the estimate, the weights' levers cannot fix it: they are offered only if the rest alone does
+    not fit either."""
+    if not p.activations_dominate:
+        return token_levers(p, ft) + weight_levers(p, ft)
+    rest = p.total_bytes - p.token_bytes
+    return token_levers(p, ft) + (weight_levers(p, ft) if rest > p.usable_bytes else [])
+
+
+def _activations_dominate_sentence(p: Plan, ft: TPUFineTune) -> str:
+    training = ft.spec.training
+    rows = training.per_device_batch_size * (2 if training.objective == "dpo" else 1)
+    parts = ", ".join(f"{line.name} {line.bytes / GIB:.2f}" for line in p.lines if line.grows_with_tokens)
+    rest = p.total_bytes - p.token_bytes
+    return (
+        f"Activations dominate: {p.token_bytes / GIB:.2f} of {p.total_bytes / GIB:.2f} GiB grow with the chip's "
+        f"{rows} x {training.max_seq_length} tokens ({parts} GiB); a larger "
+        f"topology, LoRA or adafactor shrink only the other {rest / GIB:.2f} GiB. "
+    )
 
 
 ASSUMED_MFU = 0.4  # a good FSDP fine-tune on TPU (MaxText's Llama 3.1 8B on v6e-8: ~45%)
@@ -718,7 +852,11 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
     if not p.fits:
         rows.append(
             f"WARNING: the estimate exceeds {1 - HEADROOM:.0%} of HBM ({_gib(p.usable_bytes).strip()}); "
-            "the run would likely fail with OUT_OF_MEMORY. Try: " + "; ".join(suggestions(p, ft)) + "."
+            "the run would likely fail with OUT_OF_MEMORY. "
+            + (_activations_dominate_sentence(p, ft) if p.activations_dominate else "")
+            + "Try: "
+            + "; ".join(suggestions(p, ft))
+            + "."
         )
     elif share > 0.75:
         rows.append("note: tight; XLA's temporary buffers may push it over. Leave some margin.")
@@ -728,7 +866,8 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
     rows += [
         "",
         "Assumptions: Llama-style decoder layers; weights, gradients and optimizer state sharded over",
-        "fsdp x tensor and replicated across slices; activations of one chip's batch, eager attention;",
+        "fsdp x tensor and replicated across slices, one layer and the LM head gathered whole at a time;",
+        "activations of one chip's batch, SDPA/eager attention without a flash kernel (seq x seq scores);",
         f"{HEADROOM:.0%} of HBM kept for XLA buffers and the runtime; per host, sharded checkpoints with one",
         f"save in flight and {RUNTIME_HOST_GIB} GiB of host RAM allowed for the runtime. See docs/plan.md.",
     ]

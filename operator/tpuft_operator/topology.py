@@ -66,6 +66,9 @@ class TpuFamily:
     # Peak dense bf16 compute of one chip, TFLOP/s (Google's "peak compute per chip"): the MFU denominator.
     peak_bf16_tflops_per_chip: float
     max_chips_per_slice: int
+    # Longest side of a slice, in chips: no slice of this type is longer in any dimension (the sources
+    # are at each family; docs/topology.md lists them). `resolve` and the CRD's CEL rule refuse a longer side.
+    max_side: int
     # 2-D families list their shapes; 3-D families follow the rule in `_valid_3d`.
     topologies_2d: tuple[str, ...] = ()
     # 3-D shapes that are valid although not every dimension is a multiple of 4 (the small slices).
@@ -76,8 +79,6 @@ class TpuFamily:
     # of exactly that many chips (v5e/v6e 1t and 8t machines, Ironwood 1t): GKE has no multi-host
     # pool of 1-chip or 8-chip VMs.
     multihost_chips_per_host: int = 4
-    # Longest side of a 3-D slice, where the pod bounds it (v4: the pod is a 16x16x16 cube).
-    max_dimension: int | None = None
 
     def __post_init__(self) -> None:
         if set(self.host_ram_gib) != set(self.machine_types):
@@ -92,8 +93,8 @@ class TpuFamily:
             return ", ".join(self.topologies_2d)
         return (
             f"AxBxC: {', '.join(self.small_topologies_3d)}, or every dimension a multiple of 4 in "
-            f"ascending order (4x4x4, 4x4x8, 4x8x8, ...), at most {self.max_chips_per_slice} chips"
-            + (f" and {self.max_dimension} chips a side" if self.max_dimension else "")
+            f"ascending order (4x4x4, 4x4x8, 4x8x8, ...), at most {self.max_chips_per_slice} chips "
+            f"and {self.max_side} chips a side"
         )
 
     def describe_chips_per_host(self) -> str:
@@ -126,9 +127,10 @@ FAMILIES: dict[str, TpuFamily] = {
         hbm_gib_per_chip=32,
         tensorcores_per_chip=2,
         peak_bf16_tflops_per_chip=275.0,  # cloud.google.com/tpu/docs/v4
-        # A v4 pod is 4096 chips (cloud.google.com/tpu/docs/v4); 16x16x16 is the largest slice.
+        # A v4 pod is 4096 chips (cloud.google.com/tpu/docs/v4); 16x16x16 is the largest slice, and the
+        # catalog keeps every side within that cube.
         max_chips_per_slice=4096,
-        max_dimension=16,
+        max_side=16,
         small_topologies_3d=_SMALL_3D,
     ),
     "v5e": TpuFamily(
@@ -142,6 +144,7 @@ FAMILIES: dict[str, TpuFamily] = {
         tensorcores_per_chip=1,
         peak_bf16_tflops_per_chip=197.0,  # cloud.google.com/tpu/docs/v5e
         max_chips_per_slice=256,
+        max_side=16,  # the largest slice is the 16x16 pod (cloud.google.com/tpu/docs/v5e)
         topologies_2d=_2D_TOPOLOGIES,
     ),
     "v5p": TpuFamily(
@@ -158,6 +161,10 @@ FAMILIES: dict[str, TpuFamily] = {
         peak_bf16_tflops_per_chip=459.0,  # cloud.google.com/tpu/docs/v5p
         # A v5p pod is 8960 chips; xpk's largest v5p shape is 16x20x28 (= 8960).
         max_chips_per_slice=8960,
+        # The pod's 4x4x4 cubes are joined by optical switches, so a side may be longer than the pod's
+        # 28 chips (xpk lists 4x4x244), but not unbounded: xpk's `generate_tpu_topologies` takes every
+        # side from 4 to 256 (AI-Hypercomputer/xpk src/xpk/core/system_characteristics.py, PR #834).
+        max_side=256,
         small_topologies_3d=_SMALL_3D,
     ),
     "v6e": TpuFamily(
@@ -174,6 +181,7 @@ FAMILIES: dict[str, TpuFamily] = {
         tensorcores_per_chip=1,
         peak_bf16_tflops_per_chip=918.0,  # cloud.google.com/tpu/docs/v6e
         max_chips_per_slice=256,
+        max_side=16,  # the largest slice is the 16x16 pod (cloud.google.com/tpu/docs/v6e)
         topologies_2d=_2D_TOPOLOGIES,
     ),
     "tpu7x": TpuFamily(
@@ -192,6 +200,7 @@ FAMILIES: dict[str, TpuFamily] = {
         peak_bf16_tflops_per_chip=2307.0,  # docs.cloud.google.com/tpu/docs/tpu7x (FP8: 4614)
         # An Ironwood pod is 9216 chips; xpk's largest shape is 16x24x24 (= 9216).
         max_chips_per_slice=9216,
+        max_side=256,  # as v5p: xpk's `generate_tpu_topologies`, sides from 4 to 256
         small_topologies_3d=("1x1x1", *_SMALL_3D),
         multihost_uses_placement_policy=True,
     ),
@@ -253,8 +262,6 @@ def _valid_3d(dims: tuple[int, ...], family: TpuFamily) -> bool:
         return True
     if list(dims) != sorted(dims):
         return False
-    if family.max_dimension is not None and dims[-1] > family.max_dimension:
-        return False
     return all(d % 4 == 0 for d in dims) and math.prod(dims) <= family.max_chips_per_slice
 
 
@@ -297,7 +304,7 @@ def valid_shapes(fam: TpuFamily) -> list[str]:
     limit = fam.max_chips_per_slice
     for a in range(4, limit + 1, 4):
         for b in range(a, limit // a + 1, 4):
-            for c in range(b, min(limit // (a * b), fam.max_dimension or limit) + 1, 4):
+            for c in range(b, min(limit // (a * b), fam.max_side) + 1, 4):
                 shapes.append(f"{a}x{b}x{c}")
     return sorted(shapes, key=lambda t: (math.prod(parse_topology(t)), t))
 
@@ -313,6 +320,13 @@ def resolve(
         raise TopologyError(
             "spec.tpu.topology",
             f"{tpu_type} slices have a {kind} topology, got {topology!r}; valid: {fam.describe_topologies()}",
+        )
+    longest = max(dims)
+    if longest > fam.max_side:
+        raise TopologyError(
+            "spec.tpu.topology",
+            f"{topology!r} has a side of {longest} chips, longer than any {tpu_type} slice: at most "
+            f"{fam.max_side} chips a side (docs/topology.md)",
         )
     valid = topology in fam.topologies_2d if fam.dimensions == 2 else _valid_3d(dims, fam)
     if not valid:

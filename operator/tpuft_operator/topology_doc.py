@@ -12,6 +12,20 @@ GKE "Plan TPUs in GKE" and "About Ironwood (TPU7x) in GKE" (workload policy repl
 multi-host Ironwood pools), and xpk's `src/xpk/core/system_characteristics.py` (AI-Hypercomputer/xpk) for
 the accelerator label values, machine types and topology lists."""
 
+SIDE_SOURCES = """The longest side of a slice, per family. Sources:
+
+- v4 (16): the pod is 4096 chips, a 16x16x16 cube, the largest slice (https://cloud.google.com/tpu/docs/v4).
+  xpk's newer list (below) also takes v4 sides up to 256 in any order; the catalog keeps Google's cube.
+- v5e and v6e (16): 2-D, the largest slice is the 16x16 pod of 256 chips
+  (https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e).
+- v5p and tpu7x (256): the pods (8960 and 9216 chips) are 4x4x4 cubes joined by optical circuit switches, so
+  a slice's side is not bounded by the pod's own dimensions (xpk lists `4x4x244` for both, though its largest
+  v5p shape, the whole pod, is 16x20x28). xpk's `generate_tpu_topologies` bounds every side by 256 chips and the cubes by the pod
+  (140 for v5p, 144 for tpu7x): https://github.com/AI-Hypercomputer/xpk/blob/main/src/xpk/core/system_characteristics.py
+  (PR #834). Google's v5p page (https://cloud.google.com/tpu/docs/v5p) names a smaller single-slice maximum,
+  16x16x24 (6144 chips, 96 cubes); the catalog follows xpk's wider list, so GKE may refuse a v5p slice of more
+  than 6144 chips that this catalog accepts."""
+
 HOST_RAM_SOURCES = """Host RAM is the memory of one TPU VM (not HBM): where a host stages its chips' share of a
 checkpoint, loads the model and runs the trainer (`tpuft plan`, "Host memory per host"). Google's pages
 say "GB"; gcloud and GKE's cluster autoscaler report the same numbers as GiB, which is what they are.
@@ -46,8 +60,9 @@ def topology_markdown() -> str:
         "## Families",
         "",
         "| type | `cloud.google.com/gke-tpu-accelerator` | dims | machine types (chips per host; host RAM) "
-        "| default chips per host | HBM per chip | TensorCores per chip | peak bf16 per chip | largest slice |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| default chips per host | HBM per chip | TensorCores per chip | peak bf16 per chip | largest slice "
+        "| longest side |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in FAMILIES.values():
         machines = ", ".join(
@@ -56,7 +71,7 @@ def topology_markdown() -> str:
         out.append(
             f"| `{fam.name}` | `{fam.accelerator}` | {fam.dimensions}-D | {machines} | {fam.default_chips_per_host} "
             f"| {fam.hbm_gib_per_chip} GiB | {fam.tensorcores_per_chip} | {fam.peak_bf16_tflops_per_chip:g} TFLOP/s "
-            f"| {fam.max_chips_per_slice} chips |"
+            f"| {fam.max_chips_per_slice} chips | {fam.max_side} chips |"
         )
     out += [
         "",
@@ -64,7 +79,9 @@ def topology_markdown() -> str:
         "",
         "- 2-D families (v5e, v6e) offer exactly the listed topologies. 3-D families (v4, v5p, tpu7x) offer the "
         "small shapes listed, and any AxBxC with every dimension a multiple of 4, written in ascending order, "
-        "up to the largest slice (v4: also at most 16 chips a side). GKE may still lack capacity for a shape.",
+        "up to the largest slice and the longest side. GKE may still lack capacity for a shape.",
+        "- No side is longer than the family's longest side (`spec.tpu.topology` names the side and the "
+        "limit, in the CRD's CEL rule and in the operator's validation).",
         "- The v5e/v6e `2x4` ambiguity: by default two 4-chip hosts (as xpk provisions it); set "
         "`chipsPerHost: 8` for one 8-chip VM. 1-chip and 8-chip machines exist only as single-host slices of "
         "exactly that many chips.",
@@ -73,6 +90,8 @@ def topology_markdown() -> str:
         "`spec.tpu.placementPolicy` to select pools by `cloud.google.com/placement-policy-name`.",
         "- Naming trap: `v4-16`, `v5p-16` and `tpu7x-16` count TensorCores (8 chips); `v5litepod-16` and "
         "`v6e-16` count chips.",
+        "",
+        SIDE_SOURCES,
         "",
         HOST_RAM_SOURCES,
         "",

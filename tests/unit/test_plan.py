@@ -169,6 +169,106 @@ def test_70b_full_on_one_v5e_host_does_not_fit() -> None:
     assert "DOES NOT FIT" in text and "use training.method: lora" in text
 
 
+def _llama_8k(**training: Any) -> Any:
+    """Llama 3.1 8B at 8192 tokens on v6e-8, as MaxText's recipe runs it (with a flash kernel there)."""
+    return ft(
+        tpu={"type": "v6e", "topology": "2x4"},
+        training={"perDeviceBatchSize": 4, "maxSeqLength": 8192, "optimizer": "adamw", **training},
+    )
+
+
+def _warning(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("WARNING: the estimate"))
+
+
+def test_attention_scores_are_heads_x_seq_squared_per_sequence() -> None:
+    model = planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    p = planning.plan(_llama_8k(), model)
+    assert p.line_bytes("attention") == 4 * 2 * 32 * 8192 * 8192 * 2  # one layer recomputed: 32 GiB
+    twice = planning.plan(_llama_8k(maxSeqLength=16384), model)
+    assert twice.line_bytes("attention") == pytest.approx(4 * p.line_bytes("attention"))
+    assert twice.line_bytes("activations") == pytest.approx(2 * p.line_bytes("activations"))
+    off = planning.plan(
+        ft(tpu={"type": "v6e", "topology": "2x4"}, fsdp={"gradientCheckpointing": False}), model
+    )
+    on = planning.plan(ft(tpu={"type": "v6e", "topology": "2x4"}), model)
+    assert off.line_bytes("attention") == pytest.approx(32 * on.line_bytes("attention"))  # every layer's
+
+
+def test_long_sequences_say_activations_dominate_and_suggest_what_shrinks_them() -> None:
+    spec = _llama_8k()
+    p = planning.plan(spec, planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"])
+    assert not p.fits and p.activations_dominate
+    warning = _warning(planning.format_plan(p, spec))
+    assert "Activations dominate" in warning and "attention 32.00" in warning
+    advice = warning.split("Try: ")[1]
+    assert "training.perDeviceBatchSize: 1 with training.gradientAccumulationSteps: 4" in advice
+    assert "a shorter training.maxSeqLength" in advice
+    # The weights' levers cannot fix it: they are named as such, not offered.
+    for lever in ("training.method: lora", "training.optimizer: adafactor", "larger topology"):
+        assert lever not in advice
+    # Already one sequence per chip, without checkpointing: checkpointing first, no batch advice.
+    off = ft(
+        tpu={"type": "v6e", "topology": "2x4"},
+        training={"perDeviceBatchSize": 1, "maxSeqLength": 8192},
+        fsdp={"gradientCheckpointing": False},
+    )
+    p = planning.plan(off, planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"])
+    advice = _warning(planning.format_plan(p, off)).split("Try: ")[1]
+    assert (
+        advice.startswith("turn on fsdp.gradientCheckpointing") and "perDeviceBatchSize: 1 with" not in advice
+    )
+
+
+def test_when_the_weights_dominate_the_advice_stays_lora_adafactor_topology() -> None:
+    spec = ft(model={"name": "meta-llama/Llama-3.1-70B"}, tpu={"type": "v5e", "topology": "2x2"})
+    p = planning.plan(spec, planning.KNOWN_MODELS["meta-llama/Llama-3.1-70B"])
+    assert not p.activations_dominate
+    warning = _warning(planning.format_plan(p, spec))
+    assert "Activations dominate" not in warning and "use training.method: lora" in warning
+
+
+GEMMA_2B = planning.KNOWN_MODELS["google/gemma-2b"]
+# One gemma-2b decoder layer: q and o (8 heads of 256), k and v (1 head), the gated MLP, two norms.
+GEMMA_2B_LAYER = 2048 * 8 * 256 * 2 + 2048 * 256 * 2 + 3 * 2048 * 16384 + 2 * 2048
+
+
+def _gemma_v5e_8(**training: Any) -> Any:
+    """gemma-2b full fine-tune on v5e-8 (optimum-tpu's tutorial shape), 7 x 1024 tokens per chip."""
+    return ft(
+        model={"name": "google/gemma-2b"},
+        tpu={"type": "v5e", "topology": "2x4"},
+        training={"perDeviceBatchSize": 7, "maxSeqLength": 1024, **training},
+    )
+
+
+def test_fsdp_gathers_a_whole_layer_and_the_lm_head_on_every_chip() -> None:
+    assert GEMMA_2B.layer_params == GEMMA_2B_LAYER
+    p = planning.plan(_gemma_v5e_8(), GEMMA_2B)
+    head = 256000 * 2048 * 2  # the tied embedding / LM head in bfloat16: ~1 GiB
+    assert p.line_bytes("gathered") == (2 * GEMMA_2B_LAYER * 2 + 2 * head)  # weights + gradients, whole
+    # ~2.4 GiB more per chip: a run the estimate used to call a fit (83% of 16 GiB) no longer is one.
+    assert p.total_bytes - p.line_bytes("gathered") < p.usable_bytes < p.total_bytes
+    lora = planning.plan(_gemma_v5e_8(method="lora"), GEMMA_2B)
+    adapters_per_layer = lora.trainable_params // 18
+    assert lora.line_bytes("gathered") == (GEMMA_2B_LAYER + adapters_per_layer) * 2 + head  # frozen head
+
+
+def test_the_tensor_axis_splits_a_gathered_layer_but_not_the_lm_head() -> None:
+    one = planning.plan(_gemma_v5e_8(), GEMMA_2B)
+    two = planning.plan(
+        ft(
+            model={"name": "google/gemma-2b"},
+            tpu={"type": "v5e", "topology": "2x4"},
+            training={"perDeviceBatchSize": 7, "maxSeqLength": 1024},
+            fsdp={"mesh": {"tensor": 2}},
+        ),
+        GEMMA_2B,
+    )
+    head = 2 * 256000 * 2048 * 2
+    assert two.line_bytes("gathered") - head == pytest.approx((one.line_bytes("gathered") - head) / 2)
+
+
 def test_find_config_in_the_hugging_face_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo = tmp_path / "models--acme--tiny"
     (repo / "snapshots" / "abc").mkdir(parents=True)
@@ -260,6 +360,15 @@ def test_cli_invalid_spec_names_the_field(tmp_path: Path) -> None:
     obj["spec"]["tpu"] = {"type": "v5e", "topology": "2x2x2"}
     result = _run(tmp_path, obj)
     assert result.exit_code == 2 and "spec.tpu.topology" in result.output
+
+
+def test_cli_refuses_a_side_longer_than_any_slice_of_the_type(tmp_path: Path) -> None:
+    obj = copy.deepcopy(FT)
+    obj["spec"]["tpu"] = {"type": "v5p", "topology": "4x4x548"}  # 8768 chips: under the pod's 8960
+    result = _run(tmp_path, obj)
+    assert result.exit_code == 2, result.output
+    assert "spec.tpu.topology: '4x4x548' has a side of 548 chips" in result.output
+    assert "at most 256 chips a side" in result.output
 
 
 def _dpo(method: str) -> Any:

@@ -117,6 +117,10 @@ def test_2x4_on_one_8_chip_vm() -> None:
         ("v5p", "4x4x6", {}, "spec.tpu.topology", "not a v5p topology"),
         ("v5p", "8x4x4", {}, "spec.tpu.topology", "ascending"),
         ("v4", "8x8x32", {}, "spec.tpu.topology", "16 chips a side"),
+        ("v5p", "4x4x548", {}, "spec.tpu.topology", "548 chips, longer than any v5p slice: at most 256"),
+        ("v5p", "548x4x4", {}, "spec.tpu.topology", "side of 548 chips"),
+        ("tpu7x", "4x4x260", {}, "spec.tpu.topology", "side of 260 chips, longer than any tpu7x slice"),
+        ("v5e", "2x64", {}, "spec.tpu.topology", "side of 64 chips, longer than any v5e slice: at most 16"),
         ("v5e", "4x4", {"chips_per_host": 8}, "spec.tpu.chipsPerHost", "cannot hold"),
         ("v5e", "4x4", {"chips_per_host": 2}, "spec.tpu.chipsPerHost", "v5e hosts have"),
         ("v5e", "2x2", {"slices": 2}, "spec.tpu.slices", "multislice needs multi-host"),
@@ -129,6 +133,17 @@ def test_invalid_shapes_name_the_field(
     with pytest.raises(TopologyError, match=match) as error:
         resolve(tpu_type, topo, **kwargs)
     assert error.value.field == field
+
+
+@pytest.mark.parametrize(("tpu_type", "topo"), [("v5p", "4x4x244"), ("v5p", "4x4x256"), ("tpu7x", "4x4x244")])
+def test_long_thin_slices_xpk_lists_are_still_accepted(tpu_type: str, topo: str) -> None:
+    # The pod's cubes are joined by optical switches: a side may exceed the pod's own (xpk lists 4x4x244).
+    assert resolve(tpu_type, topo).chips_per_slice == math.prod(topology.parse_topology(topo))
+
+
+def test_no_listed_shape_has_a_side_longer_than_its_family_allows() -> None:
+    for fam in FAMILIES.values():
+        assert max(max(topology.parse_topology(t)) for t in topology.valid_shapes(fam)) <= fam.max_side
 
 
 def test_node_labels_match_the_renderer_selector() -> None:

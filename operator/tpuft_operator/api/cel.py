@@ -71,9 +71,8 @@ def _topology_ok(fam: TpuFamily) -> str:
         f"size({_DIMS}) == 3 && {_DIMS}.all(d, int(d) % 4 == 0)"
         f" && {_dim(0)} <= {_dim(1)} && {_dim(1)} <= {_dim(2)}"
         f" && {_chips()} <= {fam.max_chips_per_slice}"
+        f" && {_dim(2)} <= {fam.max_side}"  # ascending: the last side is the longest
     )
-    if fam.max_dimension is not None:
-        cube += f" && {_dim(2)} <= {fam.max_dimension}"
     return f"self.topology in {_cel_list(fam.small_topologies_3d)} || ({cube})"
 
 
