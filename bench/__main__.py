@@ -1,13 +1,17 @@
-"""`python -m bench` (what `make bench` runs): every benchmark, then one report and the plot.
+"""`python -m bench` (what `make bench` runs): every benchmark, then one report and the plots.
 
-python -m bench                              # the operator at N=100, 300, 1000, then the trainer
+Each benchmark rewrites its one current results file in bench/results/ (`bench.OUTPUTS`).
+
+python -m bench                              # kopf-path, the operator at N=100, 300, 1000, the trainer
+                                             # (with recipes and dpo), goodput, scale
 python -m bench operator --n 100 300 1000    # one part (options: python -m bench operator -h)
 python -m bench trainer
 python -m bench kopf-path                    # one watch event's cost: kopf's per-object path vs watches.py
 python -m bench pace --n 1000              # the operator's write pace: what it buys (pods sooner) and costs
-python -m bench goodput --steps 1200         # a real run, undisrupted vs suspended, SIGKILLed, maintained
+python -m bench goodput [--steps 6000]       # a real run, undisrupted vs suspended, SIGKILLed, maintained
 python -m bench scale [--compare-ref 768b6be] # checkpoints, loading, export at 46M/168M/340M parameters
-python -m bench report                       # the table and the plot from bench/results/*.json
+python -m bench report [FILE]                # the tables and plots from bench/results/*.json (FILE: an
+                                             # operator run's --output in place of operator.json)
 """
 
 from __future__ import annotations
@@ -61,16 +65,17 @@ def paced_report(results: dict[str, Any]) -> list[str]:
 def report(operator_results: Path = operator.RESULTS) -> None:
     """The short table of every benchmark that has results, and the operator's plot.
     ``operator_results``: the operator's results to report (a run's `--output`, not the stored
-    operator.json); the plot is drawn next to them (operator.png for the default file)."""
+    operator.json); the plot is drawn next to them (operator.png for the default file). A run of
+    `--threads 1` (runs arriving one by one) also gets the operator's own latency."""
     if operator_results.exists():
         from bench import plot  # matplotlib only when there is something to draw
 
         results = json.loads(operator_results.read_text())
         print("\n".join(operator_report(results)))
         print(f"  (plot: {plot.plot(results, operator_results.with_suffix('.png'))})")
-    if operator.PACED_RESULTS.exists():
-        print()
-        print("\n".join(paced_report(json.loads(operator.PACED_RESULTS.read_text()))))
+        if results.get("client_threads") == 1:
+            print()
+            print("\n".join(paced_report(results)))
     if pace.RESULTS.exists():
         print()
         print("\n".join(pace.report(json.loads(pace.RESULTS.read_text()))))
@@ -100,6 +105,9 @@ def report(operator_results: Path = operator.RESULTS) -> None:
 
 def main(argv: list[str]) -> None:
     part, rest = (argv[0], argv[1:]) if argv else ("all", [])
+    if part in ("-h", "--help", "help"):
+        print(__doc__)
+        return
     if part not in ("all", "kopf-path", "operator", "pace", "trainer", "goodput", "scale", "report"):
         raise SystemExit(
             f"unknown benchmark {part!r}: kopf-path, operator, pace, trainer, goodput, scale or report (none: all)"

@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench import results_file
 from bench.recipes import DEVICES, MODEL, _config, run_tpuft_train
 
-RESULTS = Path(__file__).parent / "results" / "dpo.json"
+RESULTS = results_file("dpo")
 SEQ_LEN, GLOBAL_ROWS, WARMUP_STEPS, TIMED_STEPS = 128, 16, 4, 16
 CHOSEN = [f"w{i}" for i in range(10, 20)]  # the preferred kind of answer
 REJECTED = [f"w{i}" for i in range(20, 30)]

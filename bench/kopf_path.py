@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, cast
 
 import kopf
@@ -27,6 +26,7 @@ from kopf._core.engines import indexing
 from kopf._core.reactor import inventory, processing
 
 from bench import operator as operator_bench
+from bench import results_file
 from tpuft_operator.main import QuietHandlerSuccess, configure_kopf
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.runtime import Runtime
@@ -35,7 +35,7 @@ from tpuft_operator.slim import slim_finetune, slim_pod
 from tpuft_operator.watches import FINETUNES, PODS, Watches
 from tpuft_operator.workqueue import WorkQueue
 
-RESULTS = Path(__file__).parent / "results" / "kopf-path.json"
+RESULTS = results_file("kopf-path")
 EVENTS = 3000
 
 

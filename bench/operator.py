@@ -76,6 +76,7 @@ from typing import Any, cast
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from bench import results_file
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.cluster.operator_process import (
     OPERATOR_NAMESPACE,
@@ -90,9 +91,7 @@ from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.topology import ACCELERATOR_LABEL
 
-RESULTS = Path(__file__).parent / "results" / "operator.json"
-# `--threads 1 --output` this: runs that arrive one after another, no flood of creates to compete with.
-PACED_RESULTS = RESULTS.with_name("operator-paced.json")
+RESULTS = results_file("operator")
 CLUSTER = "bench"
 POOLS = 300  # v5e 2x2 single-host node pools: one run each at a time
 SIZES = (100, 300, 1000)
@@ -1319,6 +1318,7 @@ def main(
     output: Path | None = None,
 ) -> dict[str, Any]:
     sizes = list(sizes)
+    path = results_path(output, profile=profile, threads=threads)
     load_before = load_average()
     phases: list[dict[str, Any]] = []
     # Round-robin over the sizes, `repeat` times: a slow minute of the machine then spreads over the
@@ -1334,7 +1334,7 @@ def main(
             )
             last = (round_, n) == plan[-1] and position == len(order) - 1
             spy = (
-                RESULTS.parent / f"operator-profile-{n}.speedscope.json"
+                path.with_name(f"{path.stem}-profile-{n}.speedscope.json")
                 if profile and mode == "operator" and n == max(sizes) and round_ == 0
                 else None
             )
@@ -1358,16 +1358,21 @@ def main(
             "yardstick_controllers_as": "the operator's ServiceAccount",
             "phases": phases,
         }
-        path = results_path(output, profile=profile)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
-def results_path(output: Path | None, *, profile: bool) -> Path:
-    """Where a run's results go: ``output``, else operator.json, or operator-profiled.json for a
-    profiled run (py-spy shares the cores: its numbers are slower and must not replace the others)."""
-    return output or (RESULTS.with_name("operator-profiled.json") if profile else RESULTS)
+def results_path(output: Path | None, *, profile: bool = False, threads: int = THREADS) -> Path:
+    """Where a run's results go: ``output``, else the current results, operator.json. A variant run
+    must name its own file: a profiled one (py-spy shares the cores: its numbers are slower) and one
+    with other client threads (`--threads 1`: runs arriving one by one) measure something else, and
+    bench/results/ holds only the current run of each benchmark."""
+    if output is not None:
+        return output
+    if profile or threads != THREADS:
+        raise ValueError("a profiled run, or one with --threads other than the default, needs --output")
+    return RESULTS
 
 
 def machine() -> dict[str, Any]:
@@ -1406,27 +1411,31 @@ def cli(argv: Sequence[str] | None = None) -> Path:
         "--profile",
         action="store_true",
         help="py-spy the operator's CPU (the thread holding the GIL) at the largest N, from the first create "
-        "to the last JobSet (speedscope "
-        "JSON in bench/results/; the numbers of a "
-        "profiled run go to operator-profiled.json, not operator.json)",
+        "to the last JobSet (speedscope JSON beside --output, which a profiled run needs: its numbers are "
+        "slower and must not replace operator.json)",
     )
     parser.add_argument(
         "--threads",
         type=int,
         default=THREADS,
         help=f"the client's threads, i.e. creates in flight at once (default {THREADS}: a burst; 1: runs "
-        "arriving one after another, the operator's own latency without a flood to compete with)",
+        "arriving one after another, the operator's own latency without a flood to compete with; "
+        "other than the default, needs --output)",
     )
     parser.add_argument(
         "--output", type=Path, default=None, help="results file (default: bench/results/operator.json)"
     )
     args = parser.parse_args(argv)
+    try:
+        path = results_path(args.output, profile=args.profile, threads=args.threads)
+    except ValueError as e:
+        parser.error(str(e))
     main(
         args.n,
         repeat=args.repeat,
         keep_cluster=args.keep_cluster,
         profile=args.profile,
         threads=args.threads,
-        output=args.output,
+        output=path,
     )
-    return results_path(args.output, profile=args.profile)
+    return path

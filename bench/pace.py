@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import operator as bench_operator
+from bench import results_file
 from tpuft_operator.settings import OperatorSettings
 
-RESULTS = bench_operator.RESULTS.with_name("operator-pace.json")
+RESULTS = results_file("pace")
 QPS_ENV = "TPUFT_WRITE_QPS"
 
 

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display: files only
 import matplotlib.pyplot as plt
 
+from bench import plot_file
 from bench.operator import RESULTS
 from bench.operator_report import (
     TARGET_ALL_TO_DIRECT,
@@ -21,7 +22,7 @@ from bench.operator_report import (
     watched_phase,
 )
 
-PNG = RESULTS.with_suffix(".png")
+PNG = plot_file("operator")
 
 
 def _cdf(ax: Any, samples: list[float], **style: Any) -> None:

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-RESULTS = Path(__file__).parent / "results" / "recipes.json"
+from bench import results_file
+
+RESULTS = results_file("recipes")
 DEVICES = 4
 MODEL: dict[str, Any] = dict(
     hidden_size=128,

@@ -63,9 +63,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import plot_file, results_file
+
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results" / "scale.json"
-PNG = RESULTS.with_suffix(".png")
+RESULTS = results_file("scale")
+PNG = plot_file("scale")
 DEVICES, VOCAB, SEQ_LEN, STEPS, SAVE_STEPS = 4, 32000, 128, 8, 2
 # The first three steps of a process compile XLA graphs (each a few times a step's time here: see
 # `compiled_late`); the step times are read after them.

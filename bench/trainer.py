@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "trainer.json"
+from bench import results_file
+
+RESULTS = results_file("trainer")
 DEVICE_COUNTS = (1, 2, 4, 8)
 MODEL: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, vocab_size=512

@@ -280,11 +280,17 @@ def _with_fourth_phase(results: dict[str, Any], mode: str) -> dict[str, Any]:
     return results
 
 
+def _stored(ns: set[int], *, without: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The stored bench/results/operator.json at the sizes ``ns``, without the phases of ``without``."""
+    results = json.loads((ROOT / "bench/results/operator.json").read_text())
+    results["phases"] = [p for p in results["phases"] if p["n"] in ns and p["mode"] not in without]
+    return results
+
+
 def test_the_report_shows_the_watch_reaction_controller_where_it_ran() -> None:
-    path = ROOT / "bench/results/operator-open-loop.json"
-    before = "\n".join(operator_report(json.loads(path.read_text())))
-    assert "watch-reaction controller" not in before  # results of a run without that phase
-    report = "\n".join(operator_report(_with_fourth_phase(json.loads(path.read_text()), "watch-reaction")))
+    results = _stored({100, 300}, without=("watch-reaction",))  # results of a run without that phase
+    assert "watch-reaction controller" not in "\n".join(operator_report(results))
+    report = "\n".join(operator_report(_with_fourth_phase(results, "watch-reaction")))
     label = "a watch-reaction controller (learns of each run from its watch, as the operator must)"
     assert report.count(f"{label} (12.5 watch events per run)") == 2  # N=100, 300
     assert report.count(f"against {label}:") == 2
@@ -295,9 +301,7 @@ def test_the_report_shows_the_watch_reaction_controller_where_it_ran() -> None:
 
 
 def test_the_report_sets_the_operators_cpu_during_the_burst_beside_the_watch_reaction_controllers() -> None:
-    results = _with_fourth_phase(
-        json.loads((ROOT / "bench/results/operator-open-loop.json").read_text()), "watch-reaction"
-    )
+    results = _with_fourth_phase(_stored({100, 300}, without=("watch-reaction",)), "watch-reaction")
     for phase in results["phases"]:
         if phase.get("round", 0) == 0 and phase["mode"] == "operator":
             phase["operator_process"]["cpu_ms_per_run_to_all_jobsets"] = 2.5
@@ -308,8 +312,7 @@ def test_the_report_sets_the_operators_cpu_during_the_burst_beside_the_watch_rea
 
 
 def test_the_report_still_reads_the_older_watched_zero_reaction_phase() -> None:
-    path = ROOT / "bench/results/operator-open-loop.json"
-    results = _with_fourth_phase(json.loads(path.read_text()), "zero-reaction-watched")
+    results = _with_fourth_phase(_stored({100, 300}, without=("watch-reaction",)), "zero-reaction-watched")
     report = "\n".join(operator_report(results))
     label = "a zero-reaction controller that holds the operator's watches"
     assert report.count(f"{label} (12.5 watch events per run)") == 2
@@ -389,7 +392,7 @@ def test_report_of_a_file_reports_that_file_and_draws_its_plot_beside_it(
     from bench.__main__ import main
 
     stored = ROOT / "bench/results/operator.json"
-    results = json.loads((ROOT / "bench/results/operator-1000-events-held.json").read_text())
+    results = _stored({1000})
     assert {p["n"] for p in results["phases"]} == {1000}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(results))
