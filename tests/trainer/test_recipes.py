@@ -75,8 +75,11 @@ def gpt2_packing() -> Proc:
     return bad({"model": {"name": str(path)}, "dataset": {"packing": True}})
 
 
-def too_few_eval_rows() -> Proc:
-    return bad({"dataset": {"name": str(materials()["text"]), "eval_fraction": 0.05}})
+def small_eval_set() -> tuple[Proc, Path, Path]:
+    """12 held-out rows (0.19 of 64) for a global batch of 8: two evaluation batches, the second filled
+    with 4 rows that carry no loss (a set smaller than one batch was refused before)."""
+    config, output = write_config({"dataset": {"name": str(materials()["text"]), "eval_fraction": 0.19}})
+    return run_train(config), config, output
 
 
 SPMD_JOBS = {
@@ -86,7 +89,7 @@ SPMD_JOBS = {
     "recipe:packing-lora@4": functools.partial(run_case, "packing_lora", 4, "recipe_cases.py"),
     "recipe:knobs@4": functools.partial(run_case, "knobs", 4, "recipe_cases.py"),
     "recipe:bad:gpt2-packing": gpt2_packing,
-    "recipe:bad:eval-rows": too_few_eval_rows,
+    "recipe:small-eval": small_eval_set,
 }
 
 
@@ -231,7 +234,6 @@ def test_tensorboard_events_hold_the_losses(pool: Pool) -> None:
     ("job", "code", "message"),
     [
         ("recipe:bad:gpt2-packing", ExitCode.CONFIG_ERROR, "'gpt2' is not one of them"),
-        ("recipe:bad:eval-rows", ExitCode.DATA_ERROR, "fewer than one global batch"),
     ],
 )
 def test_recipe_misconfigurations_fail_fast(pool: Pool, job: str, code: int, message: str) -> None:
@@ -239,3 +241,52 @@ def test_recipe_misconfigurations_fail_fast(pool: Pool, job: str, code: int, mes
     assert proc.returncode == code, proc.tail()
     assert message in proc.stderr
     assert "progress: step" not in proc.stderr
+
+
+def test_a_small_evaluation_set_works_and_its_loss_is_the_mean_over_its_tokens(pool: Pool) -> None:
+    """The padding rows carry no loss, and the partly filled batch counts by its tokens: the run's
+    final evaluation loss is the exported model's mean over the 12 real rows' tokens, computed here on
+    plain torch, not the mean of the two batches' means (which the Trainer alone would report)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpuft_trainer import data, evaluation
+    from tpuft_trainer.config import TrainerConfig
+
+    proc, config_path, output = pool.get("recipe:small-eval")
+    assert proc.returncode == 0, proc.tail()
+    assert "12 rows padded with 4 that carry no loss" in proc.stderr
+    record = metrics(output)
+    assert (record["eval_set"]["rows"], record["eval_set"]["padding"], record["eval_set"]["batches"]) == (
+        12,
+        4,
+        2,
+    )
+    config = TrainerConfig.load(config_path)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    _, held_out = evaluation.split(data.load_rows(config.dataset), config.dataset, config.training.seed)
+    rows = data.tokenize(held_out, tokenizer, config.dataset, config.training.max_seq_length, 1)
+    model = AutoModelForCausalLM.from_pretrained(output, torch_dtype=torch.float32).eval()
+    sums, counts = [], []
+    with torch.no_grad():
+        for batch in (rows[:8], rows[8:]):
+            labels = torch.tensor(batch["labels"])
+            logits = model(
+                input_ids=torch.tensor(batch["input_ids"]),
+                attention_mask=torch.tensor(batch["attention_mask"]),
+            ).logits
+            targets = labels[:, 1:]
+            sums.append(
+                torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+                ).item()
+            )
+            counts.append(int((targets != -100).sum()))
+    assert sum(counts) == record["eval_set"]["loss_tokens"]
+    token_mean = sum(sums) / sum(counts)
+    mean_of_batch_means = (sums[0] / counts[0] + sums[1] / counts[1]) / 2
+    assert abs(mean_of_batch_means - token_mean) > 1e-3 * token_mean  # the two differ here
+    assert record["eval_losses"]["8"] == pytest.approx(token_mean, rel=1e-4), (
+        token_mean,
+        mean_of_batch_means,
+    )

@@ -528,3 +528,43 @@ def test_a_non_root_user_that_cannot_open_the_tpu_devices_is_told_why_and_what_t
     with pytest.raises(PermissionDeniedError):  # read-only is not enough
         device_access.check_tpu_device_access([device("/dev/accel0", 0, 0, 0o644)], uid=1000, gids=[1000])
     device_access.check_tpu_device_access([], uid=1000, gids=[1000])  # a CPU host: nothing to check
+
+
+# ---- evaluation sets of any size ------------------------------------------------------------------
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_evaluation_set_is_filled_to_whole_batches_with_rows_that_carry_no_loss(
+    packed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import datasets
+
+    from tpuft_trainer import evaluation
+    from tpuft_trainer.packing import IGNORE, Document, packed_rows, padded_rows
+
+    documents = [Document(list(range(3, 3 + n)), list(range(3, 3 + n))) for n in (5, 7, 4)]
+    rows = packed_rows(documents, 8, 0) if packed else padded_rows(documents, 8, 0)
+    small = datasets.Dataset.from_dict(rows)
+    with caplog.at_level(logging.WARNING, logger="tpuft_trainer.evaluation"):
+        filled, batches = evaluation.pad_to_full_batches(small, 4, 0, name="tiny.jsonl")
+    assert "fewer than one global batch (4)" in caplog.text  # a tiny set: said, not refused
+    assert len(filled) == 4 and filled.column_names == small.column_names
+    assert filled[: len(small)] == small[:]  # the real rows first, as they were
+    blank = filled[len(small)]
+    assert blank["labels"] == [IGNORE] * 8 and blank["input_ids"] == [0] * 8
+    assert blank.get("attention_mask", [1] * 8) == [1] * 8  # attends (a row of zeros gives NaN)
+    loss_tokens = sum(sum(1 for t in row[1:] if t != IGNORE) for row in small["labels"])
+    assert (batches.rows, batches.padding, batches.loss_tokens, batches.batches) == (
+        len(small),
+        4 - len(small),
+        loss_tokens,
+        1,
+    )
+    assert batches.items_per_batch == loss_tokens
+    # Two batches, the second part-filled: each batch's sum over loss_tokens / 2 averages to the token mean.
+    twice = datasets.concatenate_datasets([small, small])  # 6 rows: a full batch and half of one
+    _, two = evaluation.pad_to_full_batches(twice, 4, 0, name="x")
+    assert two.batches == 2 and two.items_per_batch == two.loss_tokens / 2
+    caplog.clear()
+    exact = datasets.concatenate_datasets([filled, filled])
+    with caplog.at_level(logging.INFO, logger="tpuft_trainer.evaluation"):
+        same, none = evaluation.pad_to_full_batches(exact, 4, 0, name="x")
+    assert len(same) == 8 and none.padding == 0 and not caplog.text  # whole batches: left alone

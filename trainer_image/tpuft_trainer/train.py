@@ -86,6 +86,8 @@ class RunRecord:
     loss_tokens: int | None = None  # positions that counted in the loss
     loss_token_share: float = 0.0  # of the training rows' positions
     eval_losses: dict[int, float] = field(default_factory=dict)
+    # rows, padding rows (no loss), loss tokens and batches of the evaluation set (evaluation.py).
+    eval_set: dict[str, int] = field(default_factory=dict)
     # objective dpo: the share of pairs whose chosen completion the policy rewards more than the
     # rejected one, and the mean reward margin (beta x the log-ratio difference), per logged step.
     reward_accuracies: dict[int, float] = field(default_factory=dict)
@@ -188,11 +190,13 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
         model = get_peft_model(model, peft_lora_config(config.training.lora))
     global_batch = training.per_device_batch_size * shape.batch_ways
+    eval_items_per_batch = None
     if preference:
         dataset, eval_dataset = _preference_datasets(config, tokenizer)
         reference = dpo.load_reference(config, location)
     else:
-        dataset, eval_dataset = _datasets(config, tokenizer, global_batch, record)
+        dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record)
+        eval_items_per_batch = eval_batches.items_per_batch if eval_batches else None
         reference = None
     record.peak_rss["load"] = host_memory.peak_bytes()
 
@@ -211,6 +215,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         global_batch,
         fsdp_args,
         is_rank_zero,
+        eval_items_per_batch,
     )
     # Checkpoints: the manager owns saving and restoring; the Trainer calls it through its own hooks.
     backend = XlaBackend()
@@ -489,16 +494,23 @@ def _sub_store(store: layout.Store, name: str) -> layout.Store:
     return layout.Store(store.url(name))
 
 
-def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord) -> tuple[Any, Any]:
-    """Training rows and evaluation rows (or None), tokenised to fixed-length rows, padded or packed."""
+def _datasets(
+    config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord
+) -> tuple[Any, Any, evaluation.EvalBatches | None]:
+    """Training rows and evaluation rows (or None), tokenised to fixed-length rows, padded or packed;
+    the evaluation rows filled up to whole batches with rows that carry no loss."""
     training = config.training
     train_rows, eval_rows = evaluation.split(data.load_rows(config.dataset), config.dataset, training.seed)
     dataset = data.tokenize(train_rows, tokenizer, config.dataset, training.max_seq_length, global_batch)
-    eval_dataset = None
+    eval_dataset = eval_batches = None
     if eval_rows is not None:
         eval_dataset = data.tokenize(
-            eval_rows, tokenizer, config.dataset, training.max_seq_length, global_batch, what="evaluation set"
+            eval_rows, tokenizer, config.dataset, training.max_seq_length, 1, what="evaluation set"
         )
+        eval_dataset, eval_batches = evaluation.pad_to_full_batches(
+            eval_dataset, global_batch, tokenizer.pad_token_id, name=config.dataset.name
+        )
+        record.eval_set = asdict(eval_batches)
     rows = data.figures(dataset)
     record.loss_token_share = round(rows.loss_share, 4)
     log.info(
@@ -507,9 +519,9 @@ def _datasets(config: TrainerConfig, tokenizer: Any, global_batch: int, record: 
         training.max_seq_length,
         "packed" if config.dataset.packing else "padded",
         100 * rows.loss_share,
-        f"; {len(eval_dataset)} evaluation rows" if eval_dataset is not None else "",
+        f"; {eval_batches.rows} evaluation rows" if eval_batches is not None else "",
     )
-    return dataset, eval_dataset
+    return dataset, eval_dataset, eval_batches
 
 
 def _preference_datasets(config: TrainerConfig, tokenizer: Any) -> tuple[Any, Any]:
@@ -576,6 +588,7 @@ def _build_trainer(
     global_batch: int,
     fsdp_args: dict[str, Any],
     is_rank_zero: bool,
+    eval_items_per_batch: float | None = None,
 ) -> Any:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
@@ -617,7 +630,10 @@ def _build_trainer(
     # Text and chat alike: the rows are tokenised, labelled (assistant-only loss) and packed (position
     # ids) already, so they are stacked as they are. trl's SFTTrainer would rebuild the position ids
     # and add an attention mask (undoing packing), and it reads metrics to the host every step.
-    return with_sharded_checkpoints(Trainer)(
+    trainer_class: type = Trainer
+    if eval_items_per_batch is not None:
+        trainer_class = evaluation.token_mean_loss(Trainer, eval_items_per_batch)
+    return with_sharded_checkpoints(trainer_class)(
         model=model,
         args=TrainingArguments(**arguments),
         train_dataset=dataset,
