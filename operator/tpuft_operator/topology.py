@@ -30,6 +30,8 @@ TpuType = Literal["v4", "v5e", "v5p", "v6e", "tpu7x"]
 
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+# Kubernetes' well-known label of a node's machine type (GKE: e.g. ct5lp-hightpu-4t).
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 PLACEMENT_POLICY_LABEL = "cloud.google.com/placement-policy-name"
 SPOT_LABEL = "cloud.google.com/gke-spot"
@@ -241,6 +243,12 @@ class SliceShape:
         return self.hosts_per_slice > 1
 
     @property
+    def machine_type_ambiguous(self) -> bool:
+        """Node pools of more than one machine type carry this accelerator and topology (v5e/v6e 2x4:
+        two 4-chip VMs or one 8-chip VM): only the machine type tells them apart."""
+        return len(host_sizes_for(self.family, self.chips_per_slice)) > 1
+
+    @property
     def hbm_gib_per_host(self) -> int:
         return self.family.hbm_gib_per_chip * self.chips_per_host
 
@@ -370,7 +378,7 @@ def node_labels(shape: SliceShape, nodepool: str, *, placement_policy: str | Non
         ACCELERATOR_LABEL: shape.family.accelerator,
         TOPOLOGY_LABEL: shape.topology,
         NODEPOOL_LABEL: nodepool,
-        "node.kubernetes.io/instance-type": shape.machine_type,
+        INSTANCE_TYPE_LABEL: shape.machine_type,
     }
     if placement_policy is not None:
         labels[PLACEMENT_POLICY_LABEL] = placement_policy

@@ -83,8 +83,10 @@ def topology_markdown() -> str:
         "- No side is longer than the family's longest side (`spec.tpu.topology` names the side and the "
         "limit, in the CRD's CEL rule and in the operator's validation).",
         "- The v5e/v6e `2x4` ambiguity: by default two 4-chip hosts (as xpk provisions it); set "
-        "`chipsPerHost: 8` for one 8-chip VM. 1-chip and 8-chip machines exist only as single-host slices of "
-        "exactly that many chips.",
+        "`chipsPerHost: 8` for one 8-chip VM. Both node pools carry the same accelerator and topology labels, "
+        "so the pods of a `2x4` run also select the machine type (`node.kubernetes.io/instance-type`, e.g. "
+        "`ct6e-standard-4t` or `ct6e-standard-8t`): two 4-chip pods never share an 8-chip VM. 1-chip and "
+        "8-chip machines exist only as single-host slices of exactly that many chips.",
         "- Multislice (`slices > 1`) needs multi-host slices; every slice has the same type and topology.",
         "- Ironwood multi-host node pools are created with a workload policy (`--placement-policy`); set "
         "`spec.tpu.placementPolicy` to select pools by `cloud.google.com/placement-policy-name`.",

@@ -378,7 +378,7 @@ def jobset_pods(cluster: LocalCluster, namespace: str, jobset: str) -> list[dict
     return pods
 
 
-# The full matrix (7 examples, 11 right and 8 wrong pools) runs in about a minute, so all of it runs.
+# The full matrix (8 examples, 12 right and 9 wrong pools) runs in about a minute, so all of it runs.
 @pytest.mark.parametrize("case", SCHEDULING, ids=lambda c: Path(c["example"]).stem)
 def test_rendered_pods_schedule_only_on_their_shape(
     local_cluster: LocalCluster, crd: str, namespace: str, case: dict[str, Any]

@@ -424,3 +424,25 @@ def test_a_long_names_jobset_ends_in_a_hash_of_the_runs_uid() -> None:
     obj["metadata"] = {"name": name, "namespace": "ns", "uid": "uid-a"}
     assert render_run(obj).jobset_name == a
     assert naming.jobset_name("short-name", "uid-a") == "short-name"  # a name that fits is kept
+
+
+def test_the_machine_type_is_selected_where_one_topology_has_more_than_one() -> None:
+    """v5e/v6e 2x4 is two 4-chip VMs or one 8-chip VM, and both pools carry the same accelerator and
+    topology labels: the pods select the machine type too, there and only there."""
+    ambiguous = set()
+    for tpu_type, topo, per_host, chips in _shapes():
+        spec = {"type": tpu_type, "topology": topo, "chipsPerHost": per_host}
+        run = render_run(with_spec(tpu=spec))
+        selector = pod_spec(run.jobset)["nodeSelector"]
+        expected = len(topology.host_sizes_for(topology.family(tpu_type), chips)) > 1
+        assert (topology.INSTANCE_TYPE_LABEL in selector) is expected, (tpu_type, topo, per_host)
+        if expected:
+            assert selector[topology.INSTANCE_TYPE_LABEL] == run.shape.machine_type
+            ambiguous.add((tpu_type, topo))
+    assert ambiguous == {("v5e", "2x4"), ("v6e", "2x4")}
+    selector = pod_spec(render_run(with_spec(tpu={"type": "v5e", "topology": "2x4"})).jobset)["nodeSelector"]
+    assert selector[topology.INSTANCE_TYPE_LABEL] == "ct5lp-hightpu-4t"  # xpk's default: two hosts
+    eight = {"type": "v6e", "topology": "2x4", "chipsPerHost": 8}
+    assert pod_spec(render_run(with_spec(tpu=eight)).jobset)["nodeSelector"][
+        topology.INSTANCE_TYPE_LABEL
+    ] == ("ct6e-standard-8t")

@@ -24,6 +24,7 @@ from tpuft_operator.render import naming
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import (
     ACCELERATOR_LABEL,
+    INSTANCE_TYPE_LABEL,
     NODEPOOL_LABEL,
     PLACEMENT_POLICY_LABEL,
     RESERVATION_LABEL,
@@ -111,6 +112,10 @@ def object_metadata(ft: TPUFineTune, name: str, labels: dict[str, str], annotati
 def node_selector(ft: TPUFineTune, shape: SliceShape) -> dict[str, str]:
     tpu = ft.spec.tpu
     selector = {ACCELERATOR_LABEL: shape.family.accelerator, TOPOLOGY_LABEL: shape.topology}
+    if shape.machine_type_ambiguous:
+        # Both pool kinds carry the same accelerator and topology labels: without it a 2-host 2x4 run's
+        # two 4-chip pods could share one 8-chip VM, which is not the slice libtpu is told it has.
+        selector[INSTANCE_TYPE_LABEL] = shape.machine_type
     if tpu.placement_policy is not None:
         selector[PLACEMENT_POLICY_LABEL] = tpu.placement_policy
     if tpu.spot:
