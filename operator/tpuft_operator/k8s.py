@@ -272,6 +272,16 @@ class Api:
             raise _wrap(error, f"asking whether this identity may {verb} {resource}") from error
         return bool((answer.get("status") or {}).get("allowed"))
 
+    def read_crd(self, name: str) -> dict[str, Any] | None:
+        """The CustomResourceDefinition ``name``, None when there is none (the API it defines is not
+        installed). Read once at start-up (jobset_crd.py), again only while it falls short."""
+        try:
+            return self._call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise _wrap(error, f"reading CustomResourceDefinition {name}") from error
+
     def creation_failures(self, namespace: str) -> list[dict[str, Any]]:
         """Why the apiserver refused what JobSets need, where nothing's status says it: the namespace's
         FailedCreate Events of Jobs (the Job controller's only record of a refused pod: PodSecurity,

@@ -16,6 +16,7 @@ from prometheus_client import start_http_server
 
 from tpuft_operator.api.resources import JOBSET, NODE, POD, WORKLOAD
 from tpuft_operator.handlers import build_registry
+from tpuft_operator.jobset_crd import CRD_NAME, InstalledJobSet, representative_jobsets
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.pacing import WritePace
 from tpuft_operator.reconcile import Reconciler
@@ -140,10 +141,21 @@ def check_workload_access(settings: OperatorSettings, api: Api) -> OperatorSetti
     return settings
 
 
-def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
+def installed_jobset(settings: OperatorSettings, api: Api) -> InstalledJobSet:
+    """The check of the cluster's JobSet CRD against what this operator renders (jobset_crd.py),
+    looked at again every resync period while it falls short."""
+    return InstalledJobSet(
+        lambda: api.read_crd(CRD_NAME),
+        representative_jobsets(settings.render_settings()),
+        recheck_seconds=settings.resync_seconds,
+    )
+
+
+def build_memo(settings: OperatorSettings, api: Api, jobset: InstalledJobSet | None = None) -> kopf.Memo:
     """The runtime (queue, workers, resync) and the Reconciler it feeds, which asks it for deferred
     reconciles: what the handlers reach through kopf's memo. Both take their status patches and
-    Events in turn from one write pace (pacing.py)."""
+    Events in turn from one write pace (pacing.py). ``jobset``: the check of the cluster's JobSet,
+    asked before each JobSet is created (none: unchecked)."""
     pace = WritePace(settings.write_qps, settings.write_burst)
     runtime = Runtime(
         workers=settings.workers,
@@ -161,6 +173,8 @@ def build_memo(settings: OperatorSettings, api: Api) -> kopf.Memo:
         status_settle_seconds=settings.status_settle_seconds,
         goodput_interval_seconds=settings.goodput_interval_seconds,
     )
+    if jobset is not None:
+        reconciler.jobset_shortfall = jobset.shortfall
     return kopf.Memo(settings=settings, reconciler=reconciler, runtime=runtime)
 
 
@@ -170,6 +184,10 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
     connections = api_connections(settings.workers)
     api = Api(load_client(settings.kubeconfig, connections=connections))
     settings = check_workload_access(check_node_access(settings, api), api)
+    # Not a refusal to start: runs say why they wait (Created=False) and the operator keeps reporting
+    # the others; it looks again while JobSet is missing or too old (docs/operator.md).
+    jobset = installed_jobset(settings, api)
+    jobset.check()
     api.warm_up(connections)  # a burst of runs at start-up (a restart) finds its connections open
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.bind_address)
@@ -192,7 +210,7 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
     asyncio.run(
         kopf.operator(
             registry=registry,
-            memo=build_memo(settings, api),
+            memo=build_memo(settings, api, jobset),
             standalone=True,
             clusterwide=not settings.namespaces,
             namespaces=list(settings.namespaces),

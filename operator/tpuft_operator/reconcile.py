@@ -22,6 +22,7 @@ from tpuft_operator.api.models import Phase, TPUFineTune
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse_run
 from tpuft_operator.goodput import parse_time
+from tpuft_operator.jobset_crd import NOT_INSTALLED, TOO_OLD, Shortfall
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.pacing import WritePace
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
@@ -137,6 +138,8 @@ class Created:
     jobset: Obj | None = None
     name_taken: str | None = None  # another's object holds one of the run's names: the run fails
     error: ApiError | None = None  # retryable: the status says so and the resync retries
+    # Nothing was tried: the cluster's JobSet is missing or too old (jobset_crd.py); the resync retries.
+    shortfall: Shortfall | None = None
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,9 @@ class Reconciler:
     pace: WritePace = field(default_factory=lambda: WritePace(0, 1))
     # Least report time between two refreshes of a running run's status.goodput (goodput.py).
     goodput_interval_seconds: float = 60.0
+    # Why no JobSet may be created now, else None: the cluster's JobSet CRD is missing or lacks a
+    # field tpuft renders (jobset_crd.InstalledJobSet.shortfall, which main.py wires in).
+    jobset_shortfall: Callable[[], Shortfall | None] = lambda: None
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tpuft.reconcile"))
     # Everything this process knows about each run beyond its watches (runs.py).
     runs: RunBook = field(default_factory=RunBook)
@@ -345,7 +351,11 @@ class Reconciler:
         decision = decide(finetune, desired.spec_error is None, jobset, workload)
         created = Created(jobset=jobset)
         if decision.create and desired.rendered is not None:
-            created = self._create(run, finetune, desired, decision.recreated, event, log)
+            shortfall = self.jobset_shortfall()
+            if shortfall is None:
+                created = self._create(run, finetune, desired, decision.recreated, event, log)
+            else:
+                created = Created(shortfall=shortfall)
             jobset = created.jobset
         elif jobset is not None:
             self._adopt_unrecorded(run, finetune, jobset, log)
@@ -545,6 +555,9 @@ class Reconciler:
                 pods=pods,
                 spec_error=desired.spec_error,
                 creation_error=str(created.error) if created.error else None,
+                jobset_shortfall=(
+                    (created.shortfall.reason, created.shortfall.message) if created.shortfall else None
+                ),
                 name_taken=created.name_taken,
                 pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log),
                 workload=seen.workload,
@@ -711,6 +724,14 @@ class Reconciler:
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
         _post_queue_events(current, derived, event, log)
+        waits = _condition_of(derived, "Created")
+        if (
+            waits is not None
+            and waits.get("reason") in (NOT_INSTALLED, TOO_OLD)
+            and (_condition_of(current, "Created") or {}).get("reason") != waits["reason"]
+        ):
+            log.warning("no JobSet yet: %s", waits["message"])
+            event("Warning", str(waits["reason"]), str(waits["message"]))
         for type_ in WARNING_CONDITIONS:
             now_true = _condition_status(derived, type_) == "True"
             if now_true and _condition_status(current, type_) != "True":

@@ -6,7 +6,9 @@ The phase machine (one transition a line; "terminal" phases never change again):
     Suspended  <- spec.suspend is true
     Queued     <- spec.queueName is set and the JobSet is still suspended (Kueue has not admitted it,
                   or evicted it): the `Queued` condition says why, from Kueue's Workload (queueing.py)
-    Pending    <- no JobSet yet, or not every pod is running (Scheduled=False says why)
+    Pending    <- no JobSet yet, or not every pod is running (Scheduled=False says why; Created=False
+                  why no JobSet can be created yet: the API failed, or the cluster's JobSet is
+                  missing or too old for what tpuft renders, jobset_crd.py)
     Running    <- every pod of every slice is running
     Succeeded  <- the JobSet completed (terminal)
     Failed     <- the JobSet failed: a user error, or restarts exhausted (terminal)
@@ -49,6 +51,9 @@ class Observed:
     spec_error: tuple[str, str] | None = None
     # A retryable API error while creating the run's objects (e.g. the JobSet webhook is down).
     creation_error: str | None = None
+    # (reason, message) when no JobSet may be created yet: the cluster's JobSet is not installed or
+    # too old for what tpuft renders (jobset_crd.py).
+    jobset_shortfall: tuple[str, str] | None = None
     # An object this run needs exists under another run's control (k8s.NameTaken): the run fails.
     name_taken: str | None = None
     # The apiserver refused pods of the run's Jobs (the Job controller's FailedCreate event) or the
@@ -214,6 +219,10 @@ def _derive_phase(obs: Observed) -> _Derived:
         return _Derived(str(previous_phase), "Finished", status.get("message") or "", {})
     jobset = obs.jobset
     if jobset is None:
+        if obs.jobset_shortfall is not None:
+            reason, message = obs.jobset_shortfall
+            message = f"waiting for the cluster's JobSet: {message}"
+            return _Derived(Phase.PENDING, reason, message, {**valid, "Created": ("False", reason, message)})
         if obs.creation_error is not None:
             message = f"creating the JobSet failed, retrying: {obs.creation_error}"
             return _Derived(
@@ -353,6 +362,11 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
             "NoMaintenance",
             "no maintenance announced for the run's nodes",
         )
+    created = _condition(obs.finetune, "Created")
+    if obs.jobset is not None and created is not None and created.get("status") == "False":
+        # Why creating it failed (ApiError, JobSetTooOld, ...) is over once the JobSet exists.
+        name = obs.jobset["metadata"]["name"]
+        wanted["Created"] = ("True", "JobSetCreated", f"created JobSet {name}")
     if obs.pods_refused is None and "ReplicaFailure" in was_true:
         wanted["ReplicaFailure"] = ("False", "PodsCreated", "the apiserver accepts the run's pods")
     progress = previous.get("progress") or {}

@@ -43,6 +43,8 @@ NAMESPACED = {
 }
 CLUSTER_ONLY = {
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
+    # The JobSet CRD alone: is the installed JobSet new enough for what the operator renders?
+    "customresourcedefinitions.apiextensions.k8s.io[jobsets.jobset.x-k8s.io]": {"get"},
     "nodes": {"get", "list", "watch"},  # GKE's maintenance signals (watchNodes, on by default here)
 }
 # Every authenticated user has these (system:basic-user): not the chart's.
@@ -152,14 +154,15 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def effective_rules(cluster: LocalCluster, who: str, namespace: str) -> dict[str, set[str]]:
     """resource -> verbs the subject holds in ``namespace`` (SelfSubjectRulesReview through
-    `kubectl auth can-i --list`), without non-resource URLs and what every user has."""
+    `kubectl auth can-i --list`), without non-resource URLs and what every user has. A rule limited
+    to some objects is keyed ``resource[name ...]``."""
     out = cluster.kubectl("auth", "can-i", "--list", f"--as={who}", "-n", namespace).stdout
     rules: dict[str, set[str]] = {}
     for line in out.splitlines()[1:]:
         match = re.fullmatch(r"(\S+)\s+\[\]\s+\[(.*?)\]\s+\[(.*)\]", line.strip())
         if match and match.group(1) not in EVERYONE:
-            assert not match.group(2), f"unexpected resourceNames rule: {line}"
-            rules.setdefault(match.group(1), set()).update(match.group(3).split())
+            resource = f"{match.group(1)}[{match.group(2)}]" if match.group(2) else match.group(1)
+            rules.setdefault(resource, set()).update(match.group(3).split())
     return rules
 
 
@@ -545,6 +548,12 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(
         assert can(local_cluster, who, "watch", "pods", "-A")
         assert can(local_cluster, who, "create", "jobsets.jobset.x-k8s.io", "-n", "team-x")
         assert can(
+            local_cluster,
+            who,
+            "get",
+            "customresourcedefinitions.apiextensions.k8s.io/jobsets.jobset.x-k8s.io",
+        )
+        assert can(
             local_cluster, who, "patch", "tpufinetunes.tpuft.dev", "--subresource=status", "-n", "team-x"
         )
         for denied in (
@@ -565,6 +574,8 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(
             ("impersonate", "serviceaccounts", "-n", "default"),
             ("create", "serviceaccounts", "--subresource=token", "-n", "default"),
             ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+            ("get", "customresourcedefinitions.apiextensions.k8s.io/tpufinetunes.tpuft.dev"),
+            ("patch", "customresourcedefinitions.apiextensions.k8s.io/jobsets.jobset.x-k8s.io"),
             ("patch", "nodes"),
             ("delete", "nodes"),
             ("create", "pods", "--subresource=eviction", "-n", "default"),
@@ -644,6 +655,10 @@ def test_watch_namespaces_grants_rights_only_there_and_the_operator_runs_on_them
         # Started with --watch-nodes on (the flag's default) but no node read: it says so and runs
         # without the maintenance signals rather than waiting for a node index it may not fill.
         assert "may not list and watch nodes: running without GKE's maintenance signals" in (
+            operator.log_path.read_text(errors="replace")
+        )
+        # Nor may it read the JobSet CRD (nothing cluster-wide): it says so and runs unchecked.
+        assert "may not get the CustomResourceDefinition jobsets.jobset.x-k8s.io" in (
             operator.log_path.read_text(errors="replace")
         )
     finally:

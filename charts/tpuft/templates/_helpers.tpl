@@ -140,4 +140,12 @@ filtered to TPU nodes by label. */}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+# The JobSet CRD, that one only: at start-up (and again while it falls short) the operator checks
+# that the installed JobSet knows every field it sets; an older one drops
+# failurePolicy.rules[].onJobFailureMessagePatterns (JobSet v0.10.0), and a checkpointed stop would
+# then fail the whole run. Without this read (namespaced mode) runs get their JobSets unchecked.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  resourceNames: ["jobsets.jobset.x-k8s.io"]
+  verbs: ["get"]
 {{- end -}}
