@@ -441,6 +441,53 @@ def test_dpo_rewards_reach_the_status_the_api_accepts_and_the_log_line() -> None
     assert "rewardAccuracy" not in Snapshot(6, 8, 2.5, None, None).to_status()
 
 
+def test_progress_advances_every_step_while_the_loss_is_read_every_logging_steps(tmp_path: Path) -> None:
+    """training.logging_steps 3 of 8 steps, with the Trainer's own flow callback deciding when to log:
+    the loss is read (logged) at steps 3, 6 and the last, 8; every step reports its step, throughput
+    and ETA, with the last loss read in the status but not on a line of a step that read none."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+    from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
+
+    from tpuft_trainer.progress import make_callback
+
+    class Sink:
+        def __init__(self) -> None:
+            self.snapshots: list[tuple[Snapshot, bool]] = []
+
+        def report(self, snapshot: Snapshot, *, final: bool = False) -> None:
+            self.snapshots.append((snapshot, final))
+
+    clock = [0.0]
+    sink, lines = Sink(), []
+    logger = SimpleNamespace(info=lambda fmt, line: lines.append(line), warning=print)
+    meter = Meter(8, tokens_per_step=64, clock=lambda: clock[0])
+    callback = make_callback([sink], meter, is_rank_zero=True, logger=logger)  # type: ignore[arg-type]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, logging_steps=3, report_to=[])
+    state, flow, read = TrainerState(max_steps=8, logging_steps=3), DefaultFlowCallback(), []
+    for step in range(1, 9):
+        clock[0] += 0.5
+        state.global_step = step
+        control = TrainerControl()
+        flow.on_step_end(args, state, control)  # the Trainer's callbacks run in order, its own first
+        callback.on_step_end(args, state, control)
+        if control.should_log:  # the Trainer reads the loss (the mean since the last read) and logs it
+            read.append(step)
+            callback.on_log(args, state, control, logs={"loss": float(step)})
+    callback.on_train_end(args, state, control)
+
+    assert read == [3, 6, 8]
+    assert [s.step for s, _ in sink.snapshots] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+    assert [final for _, final in sink.snapshots] == [False] * 8 + [True]
+    fifth = sink.snapshots[4][0]
+    assert fifth.tokens_per_second == pytest.approx(128) and fifth.eta_seconds == pytest.approx(1.5)
+    assert fifth.to_status()["loss"] == 3.0 and fifth.to_status()["summary"] == "5/8 (62%)"
+    assert [s.loss for s, _ in sink.snapshots] == [None, None, 3.0, 3.0, 3.0, 6.0, 6.0, 8.0, 8.0]
+    assert [("loss" in line) for line in lines] == [False, False, True, False, False, True, False, True, True]
+    assert lines[4].startswith("step 5/8 | 128 tokens/s | ETA 0:02")
+
+
 def test_dpo_and_preference_need_each_other_in_the_trainer_config() -> None:
     from pydantic import ValidationError
 

@@ -159,6 +159,9 @@ class TrainingConfig(_Strict):
     save_steps: int | None = Field(default=None, ge=1)
     # Checkpoints kept at the output (oldest deleted first); None keeps them all.
     keep_checkpoints: int | None = Field(default=None, ge=1)
+    # Read the loss to the host (a sync) every N steps and at the last (progress.py); progress goes out at
+    # every step regardless. The API's default is 10 (docs/trainer.md, "Reading the loss"), which the
+    # operator always writes; 1 here keeps a loss per step for configs written by hand (and the tests).
     logging_steps: int = Field(default=1, ge=1)
     seed: int = 42
     lora: LoraConfig | None = None

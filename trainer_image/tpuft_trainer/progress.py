@@ -33,7 +33,9 @@ class Snapshot:
     tokens_per_second: float | None
     eta_seconds: float | None
     eval_loss: float | None = None
-    # objective dpo: the share of pairs rewarded right, and the mean reward margin, of the latest step.
+    # The step whose logging closed `loss` (the mean of the `logging_steps` steps up to it); None: this one.
+    loss_step: int | None = None
+    # objective dpo: the share of pairs rewarded right, and the mean reward margin, over loss's steps.
     reward_accuracy: float | None = None
     reward_margin: float | None = None
     # More status.progress fields, already in the API's camelCase (the attempt and its last save).
@@ -62,7 +64,8 @@ class Snapshot:
 
     def to_line(self) -> str:
         parts = [f"step {self.step}/{self.total_steps}"]
-        if self.loss is not None:
+        # A step between two logging steps has no loss of its own: the line leaves the last one out.
+        if self.loss is not None and self.loss_step in (None, self.step):
             parts.append(f"loss {self.loss:.4f}")
         if self.eval_loss is not None:
             parts.append(f"eval loss {self.eval_loss:.4f}")
@@ -99,7 +102,9 @@ class Meter:
         # (steps covered, seconds per step) of the last reports.
         self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
 
-    def update(self, step: int, loss: float | None, eval_loss: float | None = None) -> Snapshot:
+    def update(
+        self, step: int, loss: float | None, eval_loss: float | None = None, loss_step: int | None = None
+    ) -> Snapshot:
         now = self._clock()
         if self._last is not None and step > self._last[0] and now > self._last[1]:
             steps = step - self._last[0]
@@ -111,7 +116,7 @@ class Meter:
             seconds_per_step = _weighted_median(self._samples)
             tokens_per_second = self.tokens_per_step / seconds_per_step
             eta = max(0, self.total_steps - step) * seconds_per_step
-        return Snapshot(step, self.total_steps, loss, tokens_per_second, eta, eval_loss)
+        return Snapshot(step, self.total_steps, loss, tokens_per_second, eta, eval_loss, loss_step=loss_step)
 
 
 def _weighted_median(samples: Iterable[tuple[int, float]]) -> float:
@@ -235,14 +240,20 @@ def make_callback(
     logger: logging.Logger = log,
 ) -> Any:
     """A transformers TrainerCallback feeding ``sinks`` from rank 0 only (one report per run, not
-    one per host). ``details`` gives the extra status fields of each report (attempt.py)."""
+    one per host). ``details`` gives the extra status fields of each report (attempt.py).
+
+    It also makes the Trainer log the last step (on every rank: logging gathers the loss from all of
+    them), so the run's final loss is reported whatever ``logging_steps`` is."""
     from transformers import TrainerCallback
 
     class ProgressCallback(TrainerCallback):
-        # The Trainer logs the loss after on_step_end, so progress goes out from on_log (every
-        # logging_steps steps, each with the loss of that step) and once more when training ends.
+        # Progress goes out at every step: from on_step_end (step, throughput, ETA and the last loss
+        # logged: reading the loss is a host-device sync, made only at a logging step), or, at a
+        # logging step, from on_log (the Trainer logs after on_step_end), with the loss of the
+        # `logging_steps` steps it closes; and once more when training ends.
         def __init__(self) -> None:
             self.last_loss: float | None = None
+            self.last_loss_step: int | None = None
             self.last_eval_loss: float | None = None
             self.last_rewards: dict[str, float] = {}
             self.ended = False
@@ -252,10 +263,18 @@ def make_callback(
         ) -> None:
             if logs and "loss" in logs:
                 self.last_loss = float(logs["loss"])
+                self.last_loss_step = int(state.global_step)
                 # trl's DPOTrainer logs these beside its loss (dpo.py)
                 for key, name in REWARD_LOGS.items():
                     if key in logs:
                         self.last_rewards[name] = float(logs[key])
+                self._emit(state, final=False)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # The Trainer's own flow callback ran first: should_training_stop is set at the last step.
+            if control.should_training_stop:
+                control.should_log = True
+            if not control.should_log:  # else on_log reports this step, with its loss
                 self._emit(state, final=False)
 
         def on_evaluate(
@@ -273,7 +292,9 @@ def make_callback(
         def _emit(self, state: Any, *, final: bool) -> None:
             if not is_rank_zero:
                 return
-            snapshot = meter.update(int(state.global_step), self.last_loss, self.last_eval_loss)
+            snapshot = meter.update(
+                int(state.global_step), self.last_loss, self.last_eval_loss, loss_step=self.last_loss_step
+            )
             snapshot = replace(
                 snapshot,
                 details=details(),
