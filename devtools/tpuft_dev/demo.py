@@ -97,6 +97,7 @@ def host_run(
                 "perDeviceBatchSize": 2,
                 "maxSeqLength": 32,
                 "optimizer": "adamw",
+                "loggingSteps": 1,  # every step's loss: the tests read where a resumed run's losses start
             },
             "output": {"uri": f"{root}/{output}"},
             "maxRestarts": 0,

@@ -15,7 +15,9 @@ the run's creation time and the pods' start times:
     startup    = pod start -> first step, every attempt (image, model load, compilation)
     checkpoint = time training waited for saves, every attempt (and the final save after the last
                  report of a success)
-    redone     = the steps an attempt did past the checkpoint the next attempt resumed from
+    redone     = the steps an attempt did past the checkpoint the next attempt resumed from (their
+                 time, and their count in ``redoneSteps``: what a stop whose save was cut off, e.g.
+                 a Spot reclaim's ~15 s, or a host lost without notice cost)
     gaps       = one attempt's last report -> the next one's pod start (restarts, suspension)
     productive = wall - all of the above
 
@@ -151,6 +153,7 @@ def derive_goodput(
         "redoneSeconds": 0.0,
         "restartGapSeconds": 0.0,
     }
+    redone_steps = 0
     for i, attempt in enumerate(attempts):
         start, end = _start(attempt), parse_time(attempt.get("endTime"))
         first = parse_time(attempt.get("firstStepTime")) or end
@@ -165,6 +168,7 @@ def derive_goodput(
             if done > 0 and again > 0:
                 stepping = max(0.0, _seconds(end, first) - saves)
                 lost["redoneSeconds"] += stepping * min(1.0, again / done)
+                redone_steps += min(again, done)
     # After the last report: the final save of a success, else the failure being noticed.
     tail = _seconds(as_of, last_end)
     lost["checkpointSeconds" if phase == Phase.SUCCEEDED else "restartGapSeconds"] += tail
@@ -179,6 +183,7 @@ def derive_goodput(
         "wallSeconds": wall,
         "productiveSeconds": productive,
         "lost": lost,
+        "redoneSteps": redone_steps,
         "asOf": _stamp(as_of),
         "attempts": attempts,
     }

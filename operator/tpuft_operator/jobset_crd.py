@@ -196,9 +196,9 @@ def verdict(crd: Obj | None, rendered: Sequence[Obj]) -> Shortfall | None:
 
 
 # One TPUFineTune per branch of render/jobset.py: single- and multi-host, multislice, Kueue (queue and
-# priority class), Spot, a reservation, a placement policy, a token Secret, the user's env (each kind
-# of source), tolerations, volume mounts, resources, a priority class, a pod ServiceAccount and
-# annotations. The user's own volumes are free-form (any volume type of the cluster) and are not
+# priority class), Spot, a reservation, a placement policy, host networking (its DNS policy and host
+# port), a token Secret, the user's env (each kind of source), tolerations, volume mounts, resources,
+# a priority class, a pod ServiceAccount and annotations. The user's own volumes are free-form (any volume type of the cluster) and are not
 # looked for: there is the downward-API volume the renderer adds, and an emptyDir for the mount.
 _BASE: dict[str, Any] = {
     "apiVersion": "tpuft.dev/v1alpha1",
@@ -257,7 +257,10 @@ REPRESENTATIVE: tuple[dict[str, Any], ...] = (
         volumeMounts=[{"name": "data", "mountPath": "/data", "readOnly": True, "subPath": "x"}],
         resources={"requests": {"memory": "1Gi"}, "limits": {"memory": "2Gi"}},
     ),
-    _run(tpu={"type": "tpu7x", "topology": "2x2x4", "placementPolicy": "ironwood"}),
+    _run(
+        tpu={"type": "tpu7x", "topology": "2x2x4", "placementPolicy": "ironwood"},
+        network={"hostNetwork": True},
+    ),
 )
 
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tpuft_operator.api.models import TPUFineTune, TPUFineTuneSpec
+from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS, SPOT_GRACE_SECONDS, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import SliceShape, resolve
 
 GIB = 1024**3
@@ -398,6 +398,12 @@ class Plan:
     def flops_per_step(self) -> float:
         return self.flops_per_token * self.global_batch * self.seq_len
 
+    @property
+    def step_seconds(self) -> float:
+        """One optimizer step at ASSUMED_MFU of the slices' peak."""
+        peak = self.shape.chips * self.shape.family.peak_bf16_tflops_per_chip * 1e12
+        return self.flops_per_step / (peak * ASSUMED_MFU)
+
     seq_len: int = 0
 
     @property
@@ -560,6 +566,102 @@ def host_ram_refusal(spec: TPUFineTuneSpec, shape: SliceShape) -> str | None:
         f"~{host.peak_bytes / GIB:.0f} GiB of host RAM per host {need}; a {host.machine_type} host has "
         f"{host.ram_bytes // GIB} GiB: {_or_list(host_suggestions(spec))} (`tpuft plan -f` shows the estimate)"
     )
+
+
+# An assumption, stated wherever it is used: what one TPU VM writes per second while it saves its
+# share of a checkpoint (torch.distributed.checkpoint through fsspec to gs://). A run's own figure
+# shows in status.progress.lastCheckpoint (writeSeconds), which condition CheckpointSlow compares with
+# the grace period.
+STOP_WRITE_BYTES_PER_SECOND = 400 * 1024**2
+# The work a Spot reclaim may cost (the steps since the last periodic checkpoint) that the saveSteps
+# plan recommends bounds.
+SPOT_LOSS_BOUND_SECONDS = 600
+
+
+def stop_grace_seconds(spec: TPUFineTuneSpec, default: int = DEFAULT_GRACE_SECONDS) -> int:
+    """The time the pods get after SIGTERM on the stop that gives least: terminationGracePeriodSeconds
+    (else the operator's ``default``), or a Spot reclaim's when shorter (GKE gives ordinary pods ~15 s)."""
+    grace = spec.termination_grace_period_seconds or default
+    if spec.tpu.spot:
+        grace = min(grace, spec.tpu.spot_grace_period_seconds or SPOT_GRACE_SECONDS)
+    return grace
+
+
+@dataclass(frozen=True)
+class StopSave:
+    """A stop's save against the grace period: SIGTERM comes during a step, which ends, then every host
+    writes its share of the checkpoint (synchronously) before SIGKILL."""
+
+    per_host_bytes: float
+    step_seconds: float
+    grace_seconds: int
+    spot: bool
+    save_steps: int | None
+
+    @property
+    def write_seconds(self) -> float:
+        return self.per_host_bytes / STOP_WRITE_BYTES_PER_SECOND
+
+    @property
+    def needed_seconds(self) -> float:
+        return self.step_seconds + self.write_seconds
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_seconds <= self.grace_seconds
+
+    @property
+    def bounding_save_steps(self) -> int:
+        """A saveSteps whose steps take about SPOT_LOSS_BOUND_SECONDS: what a cut-off stop then costs."""
+        return max(1, int(SPOT_LOSS_BOUND_SECONDS // max(self.step_seconds, 1e-9)))
+
+    def warning(self) -> str | None:
+        """What a user should know when the save does not fit, with the numbers; None when it does."""
+        if self.fits:
+            return None
+        stop = "a Spot reclaim" if self.spot else "a stop"
+        given = (
+            "GKE: ~15 s of a Spot VM's 30 s notice; spec.tpu.spotGracePeriodSeconds if a node system config "
+            "gives more"
+            if self.spot
+            else "spec.terminationGracePeriodSeconds"
+        )
+        at_risk = (
+            f"up to the {self.save_steps} steps since the last periodic checkpoint "
+            f"(~{self.save_steps * self.step_seconds:.0f} s)"
+            if self.save_steps
+            else "every step so far: training.saveSteps is not set"
+        )
+        advice = (
+            f"training.saveSteps: {self.bounding_save_steps} bounds that to ~{SPOT_LOSS_BOUND_SECONDS // 60} minutes"
+            if not self.save_steps or self.save_steps > self.bounding_save_steps
+            else "training.saveSteps already bounds it"
+        )
+        return (
+            f"{stop} gives the pods {self.grace_seconds} s ({given}), but finishing a step (~{self.step_seconds:.1f} s) "
+            f"and writing each host's {self.per_host_bytes / GIB:.1f} GiB of the checkpoint (~{self.write_seconds:.0f} s "
+            f"at an assumed {STOP_WRITE_BYTES_PER_SECOND / 1024**2:.0f} MiB/s) takes ~{self.needed_seconds:.0f} s: the "
+            f"save is cut off and {at_risk} are trained again; {advice}"
+        )
+
+
+def stop_save(p: Plan, spec: TPUFineTuneSpec) -> StopSave:
+    return StopSave(
+        per_host_bytes=p.host.per_host_bytes,
+        step_seconds=p.step_seconds,
+        grace_seconds=stop_grace_seconds(spec),
+        spot=spec.tpu.spot,
+        save_steps=spec.training.save_steps,
+    )
+
+
+def spot_stop_warning(ft: TPUFineTune) -> str | None:
+    """For a Spot run whose model is in KNOWN_MODELS (the operator cannot read a config.json): why a
+    reclaim's save would be cut off, with the numbers; None when it fits or cannot be told."""
+    model = KNOWN_MODELS.get(ft.spec.model.name)
+    if model is None or not ft.spec.tpu.spot:
+        return None
+    return stop_save(plan(ft, model), ft.spec).warning()
 
 
 def plan(ft: TPUFineTune, model: ModelDims) -> Plan:
@@ -786,6 +888,21 @@ def _step_rows(p: Plan, ft: TPUFineTune) -> list[str]:
     ]
 
 
+def _stop_rows(stop: StopSave) -> list[str]:
+    source = "a Spot reclaim (GKE: ~15 s for ordinary pods)" if stop.spot else "terminationGracePeriodSeconds"
+    rows = [
+        "",
+        "A stop's save (estimate)",
+        f"  grace       {stop.grace_seconds} s after SIGTERM, from {source}",
+        f"  needed      ~{stop.needed_seconds:.0f} s: the step under way (~{stop.step_seconds:.1f} s) + writing "
+        f"{stop.per_host_bytes / GIB:.1f} GiB per host at an assumed {STOP_WRITE_BYTES_PER_SECOND / 1024**2:.0f} MiB/s",
+    ]
+    warning = stop.warning()
+    if warning:
+        rows.append(f"WARNING: {warning}.")
+    return rows
+
+
 def _host_rows(p: Plan, ft: TPUFineTune) -> list[str]:
     host, spec = p.host, ft.spec
     w = DTYPE_BYTES[spec.model.dtype]
@@ -862,6 +979,7 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         rows.append("note: tight; XLA's temporary buffers may push it over. Leave some margin.")
     rows += _host_rows(p, ft)
     rows += _step_rows(p, ft)
+    rows += _stop_rows(stop_save(p, ft.spec))
     rows += ["", *[f"note: {n}" for n in p.notes]] if p.notes else []
     rows += [
         "",

@@ -811,6 +811,9 @@ def _say_created(
         event(
             "Normal", "JobSetCreated", f"created JobSet {name} ({shape.hosts} TPU hosts, {shape.chips} chips)"
         )
+        if rendered.spot_stop_warning:  # once, with the run's start: what a reclaim will cost
+            log.warning("%s", rendered.spot_stop_warning)
+            event("Warning", "SpotStopTooShort", rendered.spot_stop_warning)
     else:
         log.info("adopted existing JobSet %s", name)
 

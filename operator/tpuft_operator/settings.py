@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS
 from tpuft_operator.api.policy import DEFAULT_MAX_CHIPS, DEFAULT_VOLUME_TYPES, AdminPolicy
 from tpuft_operator.pacing import DEFAULT_WRITE_BURST, DEFAULT_WRITE_QPS
 from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_USER, RenderSettings
@@ -115,9 +116,10 @@ class OperatorSettings:
         "TPUFT_GOODPUT_INTERVAL_SECONDS",
     )
     termination_grace_period_seconds: int = _setting(
-        60,
+        DEFAULT_GRACE_SECONDS,
         "Default grace period of trainer pods after SIGTERM (a run's spec.terminationGracePeriodSeconds "
-        "overrides it): every host saves the step it reached in that time.",
+        "overrides it): every host saves the step it reached in that time. A Spot reclaim gives ~15 s "
+        "whatever it says (spec.tpu.spotGracePeriodSeconds).",
         "TPUFT_TERMINATION_GRACE_PERIOD_SECONDS",
     )
     # The admin policy (api/policy.py; the chart's `policy` values): what runs may ask for.
@@ -163,6 +165,12 @@ class OperatorSettings:
         "may tolerate anyway: keys or PREFIX* ('*': any, including a toleration of every taint).",
         "TPUFT_ALLOWED_TOLERATIONS",
         multiple=True,
+    )
+    allow_host_network: bool = _setting(
+        False,
+        "Runs may set spec.network.hostNetwork (pods in their node's network namespace, forbidden by the "
+        "baseline Pod Security Standard).",
+        "TPUFT_ALLOW_HOST_NETWORK",
     )
     max_chips_per_run: int = _setting(
         DEFAULT_MAX_CHIPS, "Most TPU chips of one run, all slices (0: no cap).", "TPUFT_MAX_CHIPS_PER_RUN"
@@ -220,6 +228,7 @@ class OperatorSettings:
             env=self.allowed_env,
             secrets=self.allowed_secrets,
             tolerations=self.allowed_tolerations,
+            host_network=self.allow_host_network,
             max_chips=self.max_chips_per_run,
             require_queue=self.require_queue_name,
             operator_namespace=self.operator_namespace or None,

@@ -381,7 +381,21 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
             if isinstance(blocked, (int, float)) and isinstance(write, (int, float))
             else ""
         )
-        if seconds > grace / 2:
+        tpu = (obs.finetune.get("spec") or {}).get("tpu") or {}
+        if seconds > grace / 2 and tpu.get("spot"):
+            save_steps = ((obs.finetune.get("spec") or {}).get("training") or {}).get("saveSteps")
+            wanted["CheckpointSlow"] = (
+                "True",
+                "SaveOverHalfTheSpotGrace",
+                f"saving checkpoint-{save.get('step')} took {seconds:.0f} s in all{split}, more than half the "
+                f"{grace:.0f} s a Spot reclaim gives the pods (GKE: ~15 s of the VM's 30 s notice, whatever "
+                "terminationGracePeriodSeconds says): a reclaim's save is synchronous, so it is likely cut off and "
+                f"the steps since the last complete checkpoint (up to training.saveSteps, {save_steps}) are "
+                "trained again (status.goodput.redoneSteps); lower training.saveSteps to bound that, or give the "
+                "node pool more shutdown time (node system config, GKE 1.35.0-gke.1171000+, up to 120 s) and "
+                "set spec.tpu.spotGracePeriodSeconds",
+            )
+        elif seconds > grace / 2:
             wanted["CheckpointSlow"] = (
                 "True",
                 "SaveOverHalfTheGrace",

@@ -51,6 +51,8 @@ SERVER_SIDE_EXPECT = {
     "unknown-field": ".spec.tpu.zone: field not declared in schema",
     # Server-side apply types the patch against the schema first, in its own words.
     "packing-is-a-word": ".spec.dataset.packing: expected boolean",
+    "host-network-is-a-word": ".spec.network.hostNetwork: expected boolean",
+    "dns-policy-is-not-the-runs": ".spec.network.dnsPolicy: field not declared in schema",
 }
 
 
@@ -378,13 +380,14 @@ def jobset_pods(cluster: LocalCluster, namespace: str, jobset: str) -> list[dict
     return pods
 
 
-# The full matrix (8 examples, 12 right and 9 wrong pools) runs in about a minute, so all of it runs.
-@pytest.mark.parametrize("case", SCHEDULING, ids=lambda c: Path(c["example"]).stem)
+# The full matrix (10 cases, 14 right and 12 wrong pools) runs in about a minute, so all of it runs.
+@pytest.mark.parametrize("case", SCHEDULING, ids=lambda c: c.get("name", Path(c["example"]).stem))
 def test_rendered_pods_schedule_only_on_their_shape(
     local_cluster: LocalCluster, crd: str, namespace: str, case: dict[str, Any]
 ) -> None:
     docs = in_namespace(documents((ROOT / case["example"]).read_text()), namespace)
     (source,) = [d for d in docs if d["kind"] == "TPUFineTune"]
+    source["spec"] = merge(source["spec"], case.get("spec", {}))
     name = source["metadata"]["name"]
     # The TPUFineTune exists, so the rendered objects carry a real owner reference (as the operator's do).
     local_cluster.apply(docs)

@@ -219,6 +219,7 @@ def test_helm_lint(helm: Helm) -> None:
         (["--set", "policy.allowedEnv={HF ENDPOINT}"], "at '/policy/allowedEnv/0'"),
         (["--set", "policy.allowedServiceAccounts={Admin}"], "at '/policy/allowedServiceAccounts/0'"),
         (["--set", "policy.requireQueueName=yes"], "at '/policy/requireQueueName'"),
+        (["--set", "policy.allowHostNetwork=yes"], "at '/policy/allowHostNetwork'"),
         (["--set", "trainerSecurity.runAsUser=0"], "at '/trainerSecurity/runAsUser'"),
         (["--set", "networkPolicy.enable=true"], "additional properties 'enable' not allowed"),
     ],
@@ -289,6 +290,8 @@ VALUE_SETS = {
         "policy.maxChipsPerRun=0",
         "--set",
         "policy.requireQueueName=true",
+        "--set",
+        "policy.allowHostNetwork=true",
         "--set",
         "trainerSecurity.restricted=true",
         "--set",
@@ -368,7 +371,7 @@ def test_template_passes_server_side_dry_run(
     if value_set == "policy-security-network":
         assert env["TPUFT_ALLOWED_ENV"] == "HF_ENDPOINT,XLA_*" and env["TPUFT_MAX_CHIPS_PER_RUN"] == "0"
         assert env["TPUFT_REQUIRE_QUEUE_NAME"] == "true" and env["TPUFT_RUN_AS_USER"] == "1000"
-        assert env["TPUFT_TRAINER_NETWORK_POLICY"] == "true"
+        assert env["TPUFT_TRAINER_NETWORK_POLICY"] == "true" and env["TPUFT_ALLOW_HOST_NETWORK"] == "true"
         (policy,) = [
             p
             for p in by_kind(objects, "ValidatingAdmissionPolicy")
@@ -377,6 +380,7 @@ def test_template_passes_server_side_dry_run(
         variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
         assert json.loads(variables["images"]) == ["registry.example.com/team/", "ghcr.io/tpuft/trainer"]
         assert json.loads(variables["volumeTypes"]) == ["csi", "emptyDir", "hostPath"]
+        assert variables["hostNetwork"] == "true"
         (network,) = by_kind(objects, "NetworkPolicy")
         assert network["spec"]["ingress"][0]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
         (role,) = by_kind(objects, "ClusterRole")
@@ -388,6 +392,7 @@ def test_template_passes_server_side_dry_run(
     if value_set == "default":
         assert not by_kind(objects, "NetworkPolicy")
         assert env["TPUFT_RUN_AS_USER"] == "1000" and env["TPUFT_TRAINER_NETWORK_POLICY"] == "false"
+        assert env["TPUFT_ALLOW_HOST_NETWORK"] == "false"
     if value_set == "custom":
         assert container["image"] == "registry.example.com/platform/tpuft-operator:0.1.0-rc1"
         assert env["TPUFT_TRAINER_IMAGE"].endswith("@sha256:" + "a" * 64)

@@ -102,6 +102,45 @@ def test_apply_to_succeeded_with_the_rendered_jobset(
     assert {"JobSetCreated", "Running", "Succeeded"} <= set(reasons)
 
 
+def test_a_spot_run_whose_save_cannot_fit_a_reclaim_is_warned_at_its_start(
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    """Qwen2.5-7B with AdamW on Spot: each host writes ~38 GiB at a stop, far more than a reclaim's
+    ~15 s allow. The operator says so with the numbers when it creates the JobSet, and the trainer is
+    told the 15 s, which its saves are measured against (condition CheckpointSlow)."""
+    spot = {"type": "v5p", "topology": "2x2x2", "spot": True}
+    body = finetune(
+        "spot",
+        namespace,
+        tpu=spot,
+        model={"name": "Qwen/Qwen2.5-7B"},
+        training={"maxSteps": 10, "optimizer": "adamw", "saveSteps": 100},
+    )
+    local_cluster.apply([body])
+    (message,) = wait_for(
+        lambda: [m for r, m in events(local_cluster, namespace, "spot") if r == "SpotStopTooShort"],
+        timeout=60,
+        what="the SpotStopTooShort Event",
+    )
+    assert message.startswith("a Spot reclaim gives the pods 15 s") and "GiB of the checkpoint" in message
+    assert "up to the 100 steps since the last periodic checkpoint" in message
+    jobset = get_json(local_cluster, "jobset", "spot", "-n", namespace)
+    config = render_run(
+        jobset_owner(body, ft_get(local_cluster, namespace, "spot")), OPERATOR_SETTINGS.render_settings()
+    )
+    assert config.trainer_config.stop.grace_seconds == 15
+    assert jobset["spec"] == config.jobset["spec"]  # what the pods get: 15 s in their config, 60 s to stop
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert (
+        pod["terminationGracePeriodSeconds"] == 60
+        and pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+    )
+
+
+def jobset_owner(body: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "metadata": {**body["metadata"], "uid": live["metadata"]["uid"]}}
+
+
 def test_unschedulable_until_a_matching_pool_appears(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
 ) -> None:

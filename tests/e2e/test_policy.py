@@ -2,8 +2,8 @@
 chart's RBAC, its ValidatingAdmissionPolicy and real PodSecurity and ResourceQuota admission.
 
 The attacks are the `policy` cases of tests/cluster/bad_input_corpus.yaml (hostPath, reserved env,
-another Secret, another ServiceAccount, a foreign image, too many chips) plus a run in the operator's
-own namespace. The operator is installed four ways, as an admin would configure the chart:
+another Secret, another ServiceAccount, a foreign image, too many chips, host networking) plus a run
+in the operator's own namespace. The operator is installed four ways, as an admin would configure the chart:
 
 1. defaults: every attack is refused at `kubectl create`, the field named; a run in a namespace
    enforcing the `restricted` Pod Security Standard gets its pods (restricted by default), and one
@@ -14,8 +14,10 @@ own namespace. The operator is installed four ways, as an admin would configure 
 3. the same with the admission policy: a run without spec.queueName is refused at create;
 4. every rule loosened, trainerSecurity.restricted off and networkPolicy.trainers on: the attacks
    are accepted and run (kwok pods Running), a run in the restricted namespace says within seconds
-   that PodSecurity refuses its root pods, and each run gets its NetworkPolicy (admitted by the
-   apiserver; kwok enforces none).
+   that PodSecurity refuses its root pods, a host-network run's pods have the node's network (its
+   IP, ClusterFirstWithHostNet, the stop port as a host port) and in a namespace enforcing
+   `baseline` it says within seconds that PodSecurity refuses them, and each run gets its
+   NetworkPolicy (admitted by the apiserver; kwok enforces none).
 
 The session's operator (tests/e2e/conftest.py) is stopped meanwhile and restored afterwards.
 """
@@ -67,6 +69,8 @@ LOOSENED = (
     'policy.allowedImages=["evil.example/","ghcr.io/tpuft/"]',
     "--set",
     "policy.maxChipsPerRun=512",
+    "--set",
+    "policy.allowHostNetwork=true",
     "--set",
     "trainerSecurity.restricted=false",  # the opt-out for node pools whose TPU devices need root
     "--set",
@@ -318,6 +322,10 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     restricted = unique("pss")
     local_cluster.kubectl("create", "namespace", restricted)
     local_cluster.kubectl("label", "namespace", restricted, "pod-security.kubernetes.io/enforce=restricted")
+    # A baseline namespace: root is fine there, the node's network namespace is not.
+    baseline = unique("pss-baseline")
+    local_cluster.kubectl("create", "namespace", baseline)
+    local_cluster.kubectl("label", "namespace", baseline, "pod-security.kubernetes.io/enforce=baseline")
     local_cluster.apply(
         [
             finetune(
@@ -325,7 +333,14 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
                 restricted,
                 tpu={"type": "v5e", "topology": "2x2"},
                 pod_annotations=kwok.hold_running("600s"),
-            )
+            ),
+            finetune(
+                "pss-host-network",
+                baseline,
+                tpu={"type": "v5e", "topology": "2x2"},
+                network={"hostNetwork": True},
+                pod_annotations=kwok.hold_running("600s"),
+            ),
         ]
     )
 
@@ -350,6 +365,9 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     assert "runAsNonRoot" in pss["message"] and pss["reason"] == "FailedCreate"
     assert seconds < 15, f"took {seconds:.1f}s"
     assert status(local_cluster, "pss-root", restricted)["phase"] == "Pending"
+    seconds, host = refused_within(local_cluster, "pss-host-network", baseline)
+    assert 'violates PodSecurity "baseline:latest"' in host["message"], host
+    assert "hostNetwork=true" in host["message"] and seconds < 15, (seconds, host)
     # The loosened powers reached the pods as asked (the hostPath, the other account, the env).
     pods = {
         p["metadata"]["labels"]["tpuft.dev/finetune"]: p
@@ -359,6 +377,17 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     assert any("hostPath" in v for v in pods["policy-host-path-root"]["spec"]["volumes"])
     env = {e["name"] for e in pods["policy-hf-endpoint"]["spec"]["containers"][0]["env"]}
     assert "HF_ENDPOINT" in env
+    # Host networking, allowed: the node's network namespace and IP, cluster DNS kept, and the stop
+    # channel's port declared on the node (the pod-network runs declare none).
+    host_pod = pods["policy-host-network"]
+    assert host_pod["spec"]["hostNetwork"] is True
+    assert host_pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert host_pod["status"]["podIP"] == host_pod["status"]["hostIP"]
+    (port,) = host_pod["spec"]["containers"][0]["ports"]
+    assert port["hostPort"] == port["containerPort"] == 29500 and port["protocol"] == "TCP"
+    other = pods["policy-hf-endpoint"]["spec"]
+    assert not other.get("hostNetwork") and other["dnsPolicy"] == "ClusterFirst"
+    assert "ports" not in other["containers"][0]
     # networkPolicy.trainers: each run's pods accept connections only from the same run's pods.
     policies = {
         p["metadata"]["ownerReferences"][0]["name"]: p

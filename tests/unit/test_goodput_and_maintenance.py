@@ -59,6 +59,7 @@ def test_a_run_with_one_restart_splits_its_wall_time_into_the_buckets() -> None:
     assert lost["startupSeconds"] == 20 + 15
     assert lost["checkpointSeconds"] == 5
     assert lost["redoneSeconds"] == round(95 * 10 / 50, 1)
+    assert second["redoneSteps"] == 10 and first["redoneSteps"] == 0  # what the stop cost, in steps
     assert second["wallSeconds"] == 200
     assert second["productiveSeconds"] == 200 - 10 - 35 - 5 - 19 - 20
     assert second["ratio"] == round(second["productiveSeconds"] / 200, 4)
@@ -209,6 +210,25 @@ def test_a_slow_save_is_a_warning_condition() -> None:
     assert "CheckpointSlow" not in {
         c["type"] for c in derive(finetune(with_save(12)), jobset(), [pod("a")])["conditions"]
     }
+
+
+def test_on_spot_a_save_over_half_a_reclaims_15_seconds_is_slow_and_says_what_a_reclaim_costs() -> None:
+    """A Spot run's trainer reports the grace a reclaim gives (15 s: render/trainer_config.py), so a
+    10 s save, fine against the pods' 60 s, is slow here, in words that fit a reclaim."""
+    save = {"step": 40, "seconds": 10.0, "blockedSeconds": 1.0, "writeSeconds": 9.0, "graceSeconds": 15}
+    spot = {"type": "v5p", "topology": "2x2x2", "spot": True}
+    status = derive(
+        finetune(
+            {"progress": {"lastCheckpoint": save}}, tpu=spot, training={"maxSteps": 10, "saveSteps": 50}
+        ),
+        jobset(),
+        [pod("a"), pod("b")],
+    )
+    slow = cond(status, "CheckpointSlow")
+    assert slow["status"] == "True" and slow["reason"] == "SaveOverHalfTheSpotGrace"
+    assert "more than half the 15 s a Spot reclaim gives the pods" in slow["message"]
+    assert "(up to training.saveSteps, 50)" in slow["message"] and "redoneSteps" in slow["message"]
+    assert "spec.tpu.spotGracePeriodSeconds" in slow["message"]
 
 
 def test_a_periodic_save_that_blocked_little_but_took_long_in_all_is_slow() -> None:

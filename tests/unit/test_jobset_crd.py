@@ -253,6 +253,7 @@ OPTIONAL: dict[str, Any] = {
     "tolerations": [{"key": "k", "operator": "Exists"}],
     "resources": {"requests": {"cpu": "1"}},
     "maxRestarts": 7,
+    "network": {"hostNetwork": True},
 }
 
 

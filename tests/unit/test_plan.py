@@ -16,6 +16,8 @@ from tpuft_operator.api.validation import parse
 from tpuft_operator.plan_cli import find_config
 from tpuft_operator.plan_cli import plan as plan_command
 
+ROOT = Path(__file__).resolve().parents[2]
+
 FT: dict[str, Any] = {
     "apiVersion": "tpuft.dev/v1alpha1",
     "kind": "TPUFineTune",
@@ -525,3 +527,53 @@ def test_cli_shows_a_spec_the_operator_refuses_for_host_ram_in_full(tmp_path: Pa
     assert result.exit_code == 1, result.output  # not 2: the estimate is the answer
     assert "Host memory per host (estimate)" in result.output
     assert "the operator refuse this spec" in result.output
+
+
+# ---- a stop's save against the grace the pods really get ------------------------------------------
+def _multislice(**training: Any) -> Any:
+    doc = yaml.safe_load((ROOT / "examples" / "v6e-multislice.yaml").read_text())  # Qwen2.5-7B, Spot
+    doc["spec"]["training"].update(training)
+    return parse(doc)
+
+
+def test_a_spot_reclaim_gives_15_seconds_whatever_the_grace_period_says() -> None:
+    ft = _multislice()
+    assert ft.spec.tpu.spot and ft.spec.termination_grace_period_seconds is None
+    assert planning.stop_grace_seconds(ft.spec) == 15  # not the pods' 60
+    assert (
+        planning.stop_grace_seconds(
+            ft.spec.model_copy(update={"tpu": ft.spec.tpu.model_copy(update={"spot": False})})
+        )
+        == 60
+    )
+    raised = ft.spec.tpu.model_copy(update={"spot_grace_period_seconds": 90})
+    assert planning.stop_grace_seconds(ft.spec.model_copy(update={"tpu": raised})) == 60  # the pods' own cap
+    assert planning.stop_grace_seconds(ft.spec.model_copy(update={"tpu": raised}), default=120) == 90
+
+
+def test_plan_warns_when_a_spot_reclaims_save_cannot_fit_and_bounds_the_loss_with_save_steps() -> None:
+    fits = _multislice()  # adafactor: ~3.6 GiB per host, ~10 s at the assumed bandwidth
+    stop = planning.stop_save(planning.plan(fits, planning.KNOWN_MODELS[fits.spec.model.name]), fits.spec)
+    assert stop.fits and stop.warning() is None and planning.spot_stop_warning(fits) is None
+    heavy = _multislice(optimizer="adamw", saveSteps=2000)  # AdamW's two moments: ~10.6 GiB per host
+    p = planning.plan(heavy, planning.KNOWN_MODELS[heavy.spec.model.name])
+    stop = planning.stop_save(p, heavy.spec)
+    assert stop.per_host_bytes / planning.GIB == pytest.approx(10.64, abs=0.01)
+    assert stop.write_seconds == pytest.approx(stop.per_host_bytes / (400 * 1024**2))
+    assert not stop.fits and stop.needed_seconds > 15
+    warning = planning.spot_stop_warning(heavy)
+    assert warning is not None and warning == stop.warning()
+    assert warning.startswith("a Spot reclaim gives the pods 15 s")
+    assert "10.6 GiB" in warning and "assumed 400 MiB/s" in warning
+    bound = stop.bounding_save_steps
+    assert bound * p.step_seconds == pytest.approx(600, rel=0.01)  # ~10 minutes of steps at risk
+    assert "up to the 2000 steps" in warning and f"training.saveSteps: {bound}" in warning
+    text = planning.format_plan(p, heavy)
+    assert "A stop's save (estimate)" in text and "WARNING: a Spot reclaim gives the pods 15 s" in text
+    # The same run on on-demand VMs gets its 60 s: the save fits.
+    on_demand = heavy.model_copy(
+        update={
+            "spec": heavy.spec.model_copy(update={"tpu": heavy.spec.tpu.model_copy(update={"spot": False})})
+        }
+    )
+    assert planning.stop_save(p, on_demand.spec).fits and planning.spot_stop_warning(on_demand) is None

@@ -97,6 +97,7 @@ ATTACKS: list[tuple[str, dict[str, Any], str, AdminPolicy]] = [
         "spec.tolerations[1].key",
         AdminPolicy(tolerations=("node-role.kubernetes.io/*",)),
     ),
+    ("host network", {"network": {"hostNetwork": True}}, "spec.network.hostNetwork", AdminPolicy(host_network=True)),
 ]  # fmt: skip
 
 
@@ -115,6 +116,7 @@ def test_the_default_identity_trainer_image_and_token_need_no_loosening() -> Non
         env=[{"name": "WANDB_MODE", "value": "offline"}, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}, {"name": "gcs", "csi": {"driver": "gcsfuse.csi.storage.gke.io"}}],
         tpu={"type": "v5e", "topology": "16x16"},  # exactly the default cap
+        network={"hostNetwork": False},  # the pod network, said explicitly
     )  # fmt: skip
     obj["spec"]["model"]["tokenSecretRef"] = {"name": "hf-token", "key": "token"}
     assert fields(obj) == []
@@ -166,6 +168,7 @@ def test_chart_defaults_are_the_operators() -> None:
     assert tuple(values["allowedEnv"]) == default.env
     assert tuple(values["allowedSecrets"]) == default.secrets
     assert tuple(values["allowedTolerations"]) == default.tolerations
+    assert values["allowHostNetwork"] is default.host_network is False
     assert values["maxChipsPerRun"] == default.max_chips
     assert values["requireQueueName"] is default.require_queue
     settings = OperatorSettings()
@@ -183,6 +186,7 @@ def test_the_admission_policy_carries_every_parameter_and_reserved_name() -> Non
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     assert variables["images"] == '["ghcr.io/tpuft/trainer"]'
     assert variables["operatorNamespace"] == '"ops"' and variables["maxChips"] == "256"
+    assert variables["hostNetwork"] == "false"
     assert '"LD_"' in variables["badEnv"] and '"HTTPS_PROXY"' in variables["badEnv"]
     assert policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["CREATE"]
     messages = " ".join(v["messageExpression"] for v in policy["spec"]["validations"])
@@ -193,6 +197,7 @@ def test_the_admission_policy_carries_every_parameter_and_reserved_name() -> Non
         "spec.volumes[",
         "spec.env[",
         "spec.tolerations[",
+        "spec.network.hostNetwork",
         "spec.tpu",
         "spec.queueName",
     ):

@@ -311,6 +311,21 @@ def test_a_pod_annotation_may_not_replace_the_trainer_config() -> None:
     assert "reserved" in error.value.reason
 
 
+def test_logging_steps_reach_the_trainer_config_with_the_measured_default() -> None:
+    from tpuft_operator.api.models import DEFAULT_LOGGING_STEPS
+
+    def rendered(training: dict[str, Any]) -> int:
+        run = render_run(with_spec(training={"maxSteps": 100, **training}))
+        return TrainerConfig.from_yaml(config_of(run.jobset)).training.logging_steps
+
+    assert rendered({}) == DEFAULT_LOGGING_STEPS == 10  # docs/trainer.md, "Reading the loss"
+    assert rendered({"loggingSteps": 1}) == 1
+    assert rendered({"loggingSteps": 250}) == 250
+    with pytest.raises(SpecError) as error:
+        render_run(with_spec(training={"maxSteps": 100, "loggingSteps": 0}))
+    assert [e.field for e in error.value.errors] == ["spec.training.loggingSteps"]
+
+
 def test_lora_method_without_settings_uses_defaults() -> None:
     run = render_run(with_spec(training={"method": "lora", "maxSteps": 5}))
     assert run.trainer_config.training.lora is not None
@@ -446,3 +461,33 @@ def test_the_machine_type_is_selected_where_one_topology_has_more_than_one() -> 
     assert pod_spec(render_run(with_spec(tpu=eight)).jobset)["nodeSelector"][
         topology.INSTANCE_TYPE_LABEL
     ] == ("ct6e-standard-8t")
+
+
+def test_a_spot_runs_trainer_measures_its_saves_against_a_reclaims_15_seconds() -> None:
+    def stop_grace(**tpu: Any) -> float:
+        run = render_run(with_spec(tpu={"type": "v5e", "topology": "2x2", **tpu}))
+        return TrainerConfig.from_yaml(config_of(run.jobset)).stop.grace_seconds
+
+    assert stop_grace() == 60  # the pods' grace period (the operator's default)
+    assert stop_grace(spot=True) == 15  # GKE gives ordinary pods ~15 s of a reclaim's 30 s notice
+    assert stop_grace(spot=True, spotGracePeriodSeconds=45) == 45  # a node system config gives more
+    assert stop_grace(spot=True, spotGracePeriodSeconds=120) == 60  # never more than the pods' own
+    pod = pod_spec(render_run(with_spec(tpu={"type": "v5e", "topology": "2x2", "spot": True})).jobset)
+    assert pod["terminationGracePeriodSeconds"] == 60  # suspend, drain and maintenance still give 60
+    with pytest.raises(SpecError) as error:
+        render_run(with_spec(tpu={"type": "v5e", "topology": "2x2", "spotGracePeriodSeconds": 30}))
+    assert [e.field for e in error.value.errors] == ["spec.tpu.spotGracePeriodSeconds"]
+
+
+def test_a_known_spot_run_whose_save_cannot_fit_a_reclaim_carries_the_warning() -> None:
+    heavy = {"model": {"name": "Qwen/Qwen2.5-7B"}, "training": {"maxSteps": 10, "optimizer": "adamw"}}
+    spot = {"type": "v6e", "topology": "4x4", "spot": True}
+    run = render_run(with_spec(tpu=spot, **heavy))
+    assert run.spot_stop_warning is not None and run.spot_stop_warning.startswith("a Spot reclaim gives")
+    assert render_run(with_spec(tpu={**spot, "spot": False}, **heavy)).spot_stop_warning is None
+    assert (
+        render_run(
+            with_spec(tpu=spot, model={"name": "org/unknown"}, training=heavy["training"])
+        ).spot_stop_warning
+        is None
+    )

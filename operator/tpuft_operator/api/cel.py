@@ -165,6 +165,14 @@ def tpu_rules() -> list[Rule]:
             "reason": "FieldValueInvalid",
         }
     )
+    rules.append(
+        {
+            "rule": "!has(self.spotGracePeriodSeconds) || (has(self.spot) && self.spot)",
+            "message": SPOT_GRACE_MESSAGE,
+            "fieldPath": ".spotGracePeriodSeconds",
+            "reason": "FieldValueForbidden",
+        }
+    )
     return rules
 
 
@@ -203,6 +211,7 @@ def training_rules() -> list[Rule]:
 
 
 WARMUP_MESSAGE = "set at most one of warmupSteps and warmupRatio"
+SPOT_GRACE_MESSAGE = "spotGracePeriodSeconds applies only with spot: true"
 DPO_SETTINGS_MESSAGE = "dpo settings apply only with objective: dpo"
 DPO_FORMAT_MESSAGE = (
     "objective dpo needs dataset.format: preference (a prompt, a chosen and a rejected completion)"
@@ -299,6 +308,7 @@ IMMUTABLE_FIELDS: dict[str, bool] = {
     "volumeMounts": True,
     "env": True,
     "podAnnotations": True,
+    "network": True,
 }
 
 

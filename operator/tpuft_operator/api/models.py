@@ -40,6 +40,16 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # The Kubernetes resource.Quantity grammar (the same pattern Kubernetes' own CRDs carry).
 QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 MAX_SLICES = 256
+# The pods' termination grace period when the spec sets none (the operator's default setting).
+DEFAULT_GRACE_SECONDS = 60
+# What a Spot reclaim gives ordinary pods on GKE whatever their grace period says: the VM gets 30 s of
+# notice and the kubelet's graceful node shutdown gives the first 15 to non-system pods (GKE's Spot VMs
+# page, https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms). Standard node pools on
+# GKE 1.35.0-gke.1171000 or later can raise the total to 120 s through node system config.
+SPOT_GRACE_SECONDS = 15
+SPOT_GRACE_MAX_SECONDS = 120
+# training.loggingSteps' default, from a measurement: docs/trainer.md, "Reading the loss".
+DEFAULT_LOGGING_STEPS = 10
 _HOST_SIZES: list[JsonValue] = [*sorted({c for f in FAMILIES.values() for c in f.machine_types})]
 
 DnsLabel = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_LABEL)]
@@ -216,11 +226,34 @@ class TpuSpec(_Spec):
     )
     spot: bool = Field(
         default=False,
-        description="Run on Spot VMs (node selector cloud.google.com/gke-spot=true). Preemptions restart the run.",
+        description=(
+            "Run on Spot VMs (node selector cloud.google.com/gke-spot=true). A reclaim gives the pods about "
+            f"{SPOT_GRACE_SECONDS} s after SIGTERM whatever terminationGracePeriodSeconds says (GKE: 30 s of "
+            f"notice, {SPOT_GRACE_SECONDS} of them for ordinary pods): a stop's save that takes longer is cut "
+            "off, and the steps since the last complete checkpoint are trained again (status.goodput."
+            "redoneSteps). tpuft plan and condition CheckpointSlow compare the save with it; keep "
+            "training.saveSteps small enough to bound that loss. Reclaims restart the run."
+        ),
+    )
+    spot_grace_period_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=SPOT_GRACE_MAX_SECONDS,
+        description=(
+            f"With spot: the seconds a reclaim really gives the pods on this node pool. Default {SPOT_GRACE_SECONDS}. "
+            f"Set more only for a Standard node pool whose node system config raises the shutdown grace "
+            f"(GKE 1.35.0-gke.1171000 or later, at most {SPOT_GRACE_MAX_SECONDS} s in all)."
+        ),
     )
     reservation: DnsLabel | None = Field(
         default=None,
-        description="Name of a specific reservation to consume (node selector cloud.google.com/reservation-name).",
+        description=(
+            "Name of a specific reservation (same project) whose nodes the pods must run on: node selector "
+            "cloud.google.com/reservation-name, how GKE's node auto-provisioning and Autopilot consume a "
+            "reservation. Leave it unset for a node pool you created with --reservation-affinity=specific: "
+            "the pool consumes the reservation and the accelerator and topology select it, as xpk does "
+            '(docs/install-gke.md, "Reservations").'
+        ),
     )
     placement_policy: DnsLabel | None = Field(
         default=None,
@@ -371,6 +404,17 @@ class TrainingSpec(_Spec):
             "run always evaluates at the end too."
         ),
     )
+    logging_steps: int = Field(
+        default=DEFAULT_LOGGING_STEPS,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Read the training loss every N steps: status.progress.loss, the logs and TensorBoard get the "
+            "mean of the N steps at each Nth step and at the last. Each read waits for the chips to finish "
+            "(a host-device sync; the default keeps its cost to a tenth, docs/trainer.md); 1 gives every "
+            "step's loss. status.progress's step, throughput and ETA advance at every step either way."
+        ),
+    )
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
         default="linear",
         description=(
@@ -504,6 +548,22 @@ class Resources(_Spec):
     )
 
 
+class NetworkSpec(_Spec):
+    """The trainer pods' networking."""
+
+    host_network: bool = Field(
+        default=False,
+        description=(
+            "Run the trainer pods in their TPU VM's network namespace (pod hostNetwork, dnsPolicy "
+            "ClusterFirstWithHostNet), as xpk and Google's Ironwood multislice sample do: traffic between "
+            "hosts and slices (DCN) uses the VM's interface instead of the pod network, and each pod has its "
+            "node's IP. The trainer's stop channel (TCP 29500) is declared as a host port. Host networking "
+            "is refused by the baseline and restricted Pod Security Standards and needs the admin's "
+            'consent (chart value policy.allowHostNetwork); see docs/install-gke.md, "Host networking".'
+        ),
+    )
+
+
 class TPUFineTuneSpec(_Spec):
     """What to fine-tune, on which TPUs, and how."""
 
@@ -610,6 +670,10 @@ class TPUFineTuneSpec(_Spec):
         default=None,
         max_length=32,
         description='Extra annotations on the trainer pods (e.g. gke-gcsfuse/volumes: "true" for GCS FUSE).',
+    )
+    network: NetworkSpec | None = Field(
+        default=None,
+        description="The trainer pods' networking: host networking for multislice (DCN) traffic.",
     )
 
 
@@ -741,18 +805,30 @@ class Progress(_Spec):
 
     step: int | None = Field(default=None, ge=0, description="Optimizer steps completed.")
     total_steps: int | None = Field(default=None, ge=0, description="Steps the run will take in total.")
-    loss: float | None = Field(default=None, description="Latest training loss.")
+    loss: float | None = Field(
+        default=None,
+        description=(
+            "Latest training loss read: the mean over the training.loggingSteps steps up to the last "
+            "logging step."
+        ),
+    )
     tokens_per_second: float | None = Field(default=None, ge=0, description="Training throughput, all chips.")
     eval_loss: float | None = Field(default=None, description="Latest evaluation loss (held-out rows).")
     reward_accuracy: float | None = Field(
         default=None,
         ge=0,
         le=1,
-        description="Objective dpo: share of the latest step's pairs whose chosen completion is rewarded more.",
+        description=(
+            "Objective dpo: share of the pairs whose chosen completion is rewarded more, "
+            "over the same steps as loss."
+        ),
     )
     reward_margin: float | None = Field(
         default=None,
-        description="Objective dpo: mean reward margin (chosen - rejected, beta x log-ratios) of the latest step.",
+        description=(
+            "Objective dpo: mean reward margin (chosen - rejected, beta x log-ratios), "
+            "over the same steps as loss."
+        ),
     )
     eta_seconds: int | None = Field(default=None, ge=0, description="Estimated seconds to completion.")
     update_time: datetime | None = Field(default=None, description="When the trainer last reported.")
@@ -824,6 +900,15 @@ class Goodput(_Spec):
     wall_seconds: float = Field(default=0.0, ge=0, description="Creation to asOf.")
     productive_seconds: float = Field(default=0.0, ge=0, description="Training steps that were kept.")
     lost: LostTime = Field(default_factory=lambda: LostTime(), description="The rest of the wall time.")
+    redone_steps: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Steps trained again after restarts: those past the checkpoint each restart resumed from. What "
+            "stops cost whose save did not complete (a Spot reclaim's ~15 s, a host lost without notice); "
+            "0 while every stop saved the step it reached."
+        ),
+    )
     as_of: datetime | None = Field(default=None, description="The time these figures are for.")
     attempts: list[GoodputAttempt] | None = Field(
         default=None, max_length=32, description="The attempts so far (the newest 32)."

@@ -5,7 +5,8 @@ may create any pod. Without limits, `create tpufinetunes` would be a way around 
 mount the node's filesystem (hostPath), run as any ServiceAccount of the namespace, read any Secret
 of it (env valueFrom, a secret volume), point the hub token at another host (HF_ENDPOINT), load a
 library into the trainer (LD_PRELOAD, PYTHONPATH), run any image, tolerate every taint (land on the
-control plane, or on another team's dedicated pool), or ask for millions of chips.
+control plane, or on another team's dedicated pool), join the node's network namespace, or ask for
+millions of chips.
 
 The rules live here, once, in two renderings of the same data:
 - `policy_errors`: the operator's check (Python), run before anything is created for a run, so
@@ -19,8 +20,8 @@ The rules live here, once, in two renderings of the same data:
 Each rule can be loosened by the admin (chart values, operator settings) and the defaults are safe:
 no hostPath or other node-level volume, no user-named ServiceAccount, no Secret besides the model's
 token, no reserved environment variable, no toleration of every taint or of the control plane's,
-the node lifecycle's and GKE's own taints (the operator adds the TPU and Spot ones runs need), only
-the trainer image's own repository, at most
+the node lifecycle's and GKE's own taints (the operator adds the TPU and Spot ones runs need), no
+host networking, only the trainer image's own repository, at most
 `DEFAULT_MAX_CHIPS` chips per run, and no run in the operator's own namespace.
 """
 
@@ -90,6 +91,10 @@ class AdminPolicy:
     # Reserved taints spec.tolerations may tolerate anyway: keys or PREFIX* ("*": any, including a
     # toleration of every taint, the one without a key). The operator's own (TPU, Spot) are not the run's.
     tolerations: tuple[str, ...] = ()
+    # spec.network.hostNetwork may be true: the pods join their node's network namespace (see them all
+    # on the node, bind its ports, reach what listens on its loopback), which the baseline Pod Security
+    # Standard forbids; xpk and Google's Ironwood samples run TPU pods so for multislice traffic.
+    host_network: bool = False
     # Most TPU chips of one run (all slices); 0: no cap.
     max_chips: int = DEFAULT_MAX_CHIPS
     # Every run must name a Kueue LocalQueue (spec.queueName).
@@ -191,6 +196,8 @@ def policy_errors(ft: TPUFineTune, policy: AdminPolicy, trainer_image: str) -> l
         reserved = not key or (taint_reserved(key) and not env_allowed(key, policy.tolerations))
         if reserved and ANY not in policy.tolerations:
             errors.append((f"spec.tolerations[{i}].key", toleration_message(key)))
+    if spec.network is not None and spec.network.host_network and not policy.host_network:
+        errors.append(("spec.network.hostNetwork", HOST_NETWORK_MESSAGE))
     if policy.max_chips:
         tpu = spec.tpu
         try:
@@ -254,6 +261,12 @@ def toleration_message(key: str) -> str:
     return f"a run may not tolerate {what}; {ADMIN_HINT}, allowedTolerations"
 
 
+HOST_NETWORK_MESSAGE = (
+    "host networking is not allowed (the pods would share their node's network namespace, which the "
+    f"baseline Pod Security Standard forbids); leave it false, or {ADMIN_HINT}, allowHostNetwork"
+)
+
+
 def chips_message(chips: int, cap: int) -> str:
     return (
         f"the run asks for {chips} TPU chips, more than the {cap} a run may use; {ADMIN_HINT}, maxChipsPerRun"
@@ -274,6 +287,7 @@ PARAMETERS = (
     "env",
     "secrets",
     "tolerations",
+    "hostNetwork",
     "maxChips",
     "requireQueue",
     "operatorNamespace",
@@ -294,6 +308,7 @@ def cel_parameters(policy: AdminPolicy, trainer_image: str) -> dict[str, str]:
         "env": literal(policy.env),
         "secrets": literal(policy.secrets),
         "tolerations": literal(policy.tolerations),
+        "hostNetwork": "true" if policy.host_network else "false",
         "maxChips": str(int(policy.max_chips)),
         "requireQueue": "true" if policy.require_queue else "false",
         "operatorNamespace": json.dumps(policy.operator_namespace or ""),
@@ -446,6 +461,11 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
             + f" ? 'the taint ' + {v}.badTolerations[0].key + {_cel_string(TAINT_KINDS)}"
             + " : 'every taint (a toleration without a key)')"
             + f" + {hint} + ', allowedTolerations'",
+        ),
+        check(
+            f"{v}.hostNetwork || !has(object.spec.network) || !has(object.spec.network.hostNetwork)"
+            " || !object.spec.network.hostNetwork",
+            f"'spec.network.hostNetwork: ' + {_cel_string(HOST_NETWORK_MESSAGE)}",
         ),
         check(
             f"{v}.maxChips == 0 || {_chips_cel()} <= {v}.maxChips",

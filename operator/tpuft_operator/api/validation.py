@@ -37,6 +37,7 @@ from tpuft_operator.api.cel import (
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
+    SPOT_GRACE_MESSAGE,
     WARMUP_LENGTH_MESSAGE,
     WARMUP_MESSAGE,
 )
@@ -222,6 +223,8 @@ def _check(
         errors.append(
             FieldError("spec.tpu.placementPolicy", "applies only to multi-host slices of tpu7x (Ironwood)")
         )
+    if tpu.spot_grace_period_seconds is not None and not tpu.spot:
+        errors.append(FieldError("spec.tpu.spotGracePeriodSeconds", SPOT_GRACE_MESSAGE))
 
     mesh = spec.fsdp.mesh
     before_mesh = len(errors)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tpuft_operator import plan
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, ValidatedRun, parse_run, validate_run
 from tpuft_operator.render.identity import namespace_objects, run_objects
@@ -34,6 +35,9 @@ class RenderedRun:
     identity: tuple[dict[str, Any], ...] = ()
     # The run's NetworkPolicy (RenderSettings.network_policy), before its pods exist.
     network: tuple[dict[str, Any], ...] = ()
+    # A Spot run of a known model whose stop save cannot fit a reclaim's ~15 s (plan.spot_stop_warning):
+    # the operator says so with the run's start (Warning SpotStopTooShort).
+    spot_stop_warning: str | None = None
 
     @property
     def jobset_name(self) -> str:
@@ -65,9 +69,10 @@ def render_run(
     model, shape = run.finetune, run.shape
     config = trainer_config(model, shape, settings)
     return RenderedRun(
-        jobset=jobset(model, shape, config.to_yaml(), settings),
+        jobset=jobset(model, shape, config.to_yaml(), settings, config.stop.coordination_port),
         trainer_config=config,
         shape=shape,
         identity=tuple(run_objects(model)),
         network=tuple(p for p in [network_policy(model)] if p is not None and settings.network_policy),
+        spot_stop_warning=plan.spot_stop_warning(model),
     )

@@ -33,6 +33,7 @@ from tpuft_operator.topology import (
     TPU_RESOURCE,
     SliceShape,
 )
+from tpuft_trainer.config import StopConfig
 from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES, ExitCode
 from tpuft_trainer.pod_contract import (
     CHECKPOINT_REQUEST_ANNOTATION,
@@ -52,6 +53,9 @@ from tpuft_trainer.pod_contract import (
 Obj = dict[str, Any]
 
 CONTAINER = "trainer"
+# The trainer's stop channel (tpuft_trainer/stop.py): the first host listens on it, the others connect.
+DEFAULT_STOP_PORT = StopConfig().coordination_port
+STOP_PORT_NAME = "tpuft-stop"
 # The names the pods and the trainer agree on (the config volume and its files, the annotations, the
 # environment) are in tpuft_trainer/pod_contract.py. The checkpoint-request file sits in the config's
 # volume, where the kubelet refreshes it while the pod runs.
@@ -194,8 +198,32 @@ def grace_seconds(ft: TPUFineTune, settings: RenderSettings) -> int:
     return given if given is not None else settings.termination_grace_period_seconds
 
 
+def host_network(ft: TPUFineTune) -> bool:
+    return ft.spec.network is not None and ft.spec.network.host_network
+
+
+def host_network_fields(stop_port: int) -> tuple[Obj, list[Obj]]:
+    """(pod spec fields, container ports) of a run with spec.network.hostNetwork, as xpk renders TPU
+    pods: the VM's network namespace, and ClusterFirstWithHostNet so the pods still resolve cluster
+    names (the coordinator address is the first pod's name under the JobSet's headless Service, which
+    then resolves to its node's IP); the default policy would hand them the node's resolv.conf.
+
+    The stop channel's port is declared, as a host port, because it now binds on the node: the
+    scheduler then never puts two pods that need it on one node. Two runs never share a TPU VM anyway
+    (each pod requests every chip of its VM), so this guards against other host-network pods. The TPU
+    runtime's own ports are libtpu's, not declared (as for pod-network runs)."""
+    pod = {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+    ports = [{"name": STOP_PORT_NAME, "containerPort": stop_port, "hostPort": stop_port, "protocol": "TCP"}]
+    return pod, ports
+
+
 def pod_template(
-    ft: TPUFineTune, shape: SliceShape, jobset: str, config_yaml: str, settings: RenderSettings
+    ft: TPUFineTune,
+    shape: SliceShape,
+    jobset: str,
+    config_yaml: str,
+    settings: RenderSettings,
+    stop_port: int = DEFAULT_STOP_PORT,
 ) -> Obj:
     spec = ft.spec
     pod_security, container_security = security_context(settings)
@@ -241,6 +269,10 @@ def pod_template(
             *[dict(v) for v in spec.volumes or []],
         ],
     }
+    if host_network(ft):
+        network, ports = host_network_fields(stop_port)
+        pod_spec.update(network)
+        container["ports"] = ports
     # The per-run account whose Role may patch only this run's status (progress reports), or the
     # user's own (Workload Identity), which the per-run RoleBinding then binds instead.
     pod_spec["serviceAccountName"] = naming.pod_service_account(spec.service_account_name)
@@ -324,8 +356,15 @@ def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
     return pod_failure_policy, jobset_failure_policy
 
 
-def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: RenderSettings) -> Obj:
-    """The run's JobSet; ``config_yaml`` is the trainer config its pods read (trainer_config.py)."""
+def jobset(
+    ft: TPUFineTune,
+    shape: SliceShape,
+    config_yaml: str,
+    settings: RenderSettings,
+    stop_port: int = DEFAULT_STOP_PORT,
+) -> Obj:
+    """The run's JobSet; ``config_yaml`` is the trainer config its pods read (trainer_config.py),
+    ``stop_port`` that config's stop.coordination_port."""
     spec = ft.spec
     name = naming.jobset_name(ft.metadata.name, ft.metadata.uid)
     labels = common_labels(ft)
@@ -365,7 +404,7 @@ def jobset(ft: TPUFineTune, shape: SliceShape, config_yaml: str, settings: Rende
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
                             "podFailurePolicy": pod_failure_policy,
-                            "template": pod_template(ft, shape, name, config_yaml, settings),
+                            "template": pod_template(ft, shape, name, config_yaml, settings, stop_port),
                         },
                     },
                 }

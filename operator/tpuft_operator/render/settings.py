@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS
 from tpuft_trainer.pod_contract import DEFAULT_TOKEN_ENV
 
 # The one default (the operator's setting, the chart's trainerImage and `tpuft render`).
@@ -25,7 +26,7 @@ class RenderSettings:
     # Environment variable that carries the hub token (from spec.model.tokenSecretRef) into the pod.
     token_env: str = DEFAULT_TOKEN_ENV
     # Time the trainer gets after SIGTERM (preemption, suspend) to finish writing a checkpoint.
-    termination_grace_period_seconds: int = 60
+    termination_grace_period_seconds: int = DEFAULT_GRACE_SECONDS
     # Pods run as this user and group. Non-root (the default: the trainer image's user), they meet the
     # restricted Pod Security Standard. 0: root with the baseline settings, for node pools whose TPU
     # device files a non-root user cannot open (the trainer says so: device_access.py).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.resources import FINETUNE
-from tpuft_operator.render.jobset import grace_seconds
+from tpuft_operator.plan import stop_grace_seconds
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import SliceShape
 from tpuft_trainer.config import (
@@ -99,6 +99,7 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             save_steps=training.save_steps,
             lora=lora,
             eval_steps=training.eval_steps,
+            logging_steps=training.logging_steps,
             lr_scheduler=training.lr_scheduler,
             warmup_steps=training.warmup_steps,
             warmup_ratio=training.warmup_ratio,
@@ -123,5 +124,10 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
         ),
         # The request file is read whatever spec.maintenance says: with `ignore` the operator just
         # never writes a request.
-        stop=StopConfig(grace_seconds=grace_seconds(ft, settings), request_file=REQUEST_FILE),
+        # The shortest grace a stop gives: a Spot reclaim's (~15 s) when the run is on Spot. What the
+        # trainer reports with each save, and condition CheckpointSlow compares its saves with.
+        stop=StopConfig(
+            grace_seconds=stop_grace_seconds(ft.spec, settings.termination_grace_period_seconds),
+            request_file=REQUEST_FILE,
+        ),
     )
