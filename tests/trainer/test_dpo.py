@@ -51,6 +51,7 @@ def rendered_config() -> tuple[Path, Path]:
                     "perDeviceBatchSize": TRAINING["per_device_batch_size"],
                     "maxSeqLength": TRAINING["max_seq_length"],
                     "saveSteps": SAVE,
+                    "loggingSteps": 1,  # the tests compare every step's loss
                     "dpo": {"beta": 0.1},
                 },
                 "output": {"uri": str(out / "model")},
