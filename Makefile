@@ -20,6 +20,7 @@ help:
 	@echo "make bench   - benchmarks, results in bench/results/"
 	@echo "make chaos   - the fault suite, several rounds (TPUFT_CHAOS_ROUNDS)"
 	@echo "make crd     - regenerate crds/ and docs/api.md from the API models"
+	@echo "make clean-cluster - remove this checkout's test clusters (\`tpuft cluster test-name\`)"
 
 venv:
 	@$(VENV_SCRIPT) >/dev/null
@@ -58,5 +59,9 @@ chaos: venv binaries
 	@TPUFT_CHAOS_ROUNDS=$${TPUFT_CHAOS_ROUNDS:-5} TPUFT_CHAOS_BATCH=$${TPUFT_CHAOS_BATCH:-25} \
 		$(PY) -m pytest tests/e2e/test_faults.py
 
+# The test suite runs on a cluster named after the checkout (`tpuft cluster test-name`), so two
+# checkouts' `make test` never share one; this removes this checkout's (and its fault suite's) only.
+# `tpuft cluster down --all` removes every local cluster on the machine.
 clean-cluster: venv
-	@$(TPUFT) cluster down --all
+	@name="$$($(TPUFT) cluster test-name --checkout "$(CURDIR)")"; \
+		$(TPUFT) cluster down --name "$$name" && $(TPUFT) cluster down --name "$$name-faults"

@@ -139,8 +139,11 @@ def run_body(name: str, max_restarts: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    name = "faults" if TEST_CLUSTER == "pytest" else f"{TEST_CLUSTER}-faults"
-    yield from session_cluster(name, log=lambda line: print(f"[faults] {line}"))
+    # Always a new one: its runs are run-000, run-001, ... in namespace faults, so in a cluster kept from
+    # an earlier session (TPUFT_KEEP_CLUSTER=1) they would already exist, JobSets and restarts included
+    # (the second session on a kept cluster waited in vain for the operator to create a JobSet).
+    name = f"{TEST_CLUSTER}-faults"
+    yield from session_cluster(name, log=lambda line: print(f"[faults] {line}"), fresh=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_SETTINGS, SERVICE_AC
 from tests.support import condition, finetune, get_json, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
+from tpuft_operator import topology
 from tpuft_operator.render import render_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
@@ -144,7 +145,11 @@ def jobset_owner(body: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
 def test_unschedulable_until_a_matching_pool_appears(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    local_cluster.apply([finetune("wait-pool", namespace, tpu={"type": "v4", "topology": "2x2x4"})])
+    # A reservation of its own: a reused cluster (TPUFT_KEEP_CLUSTER=1, or one started beforehand) may
+    # have v4 2x2x4 pools left by earlier sessions or added by hand; none of them matches this run.
+    reservation = unique("wait-pool")
+    tpu = {"type": "v4", "topology": "2x2x4", "reservation": reservation}
+    local_cluster.apply([finetune("wait-pool", namespace, tpu=tpu)])
 
     def unschedulable() -> dict[str, Any] | None:
         ft = ft_get(local_cluster, namespace, "wait-pool")
@@ -166,12 +171,12 @@ def test_unschedulable_until_a_matching_pool_appears(
         what="the Unschedulable event",
     )
 
-    pool = local_cluster.add_nodepool("v4", "2x2x4", prefix=unique("v4"))
+    pool = local_cluster.add_nodepool(
+        "v4", "2x2x4", prefix=unique("v4"), labels={topology.RESERVATION_LABEL: reservation}
+    )
     try:
         wait_phase(local_cluster, namespace, "wait-pool", "Succeeded", timeout=120)
     finally:
-        # This test needs the only v4 2x2x4 pool to be its own: a cluster kept for the next session
-        # (TPUFT_KEEP_CLUSTER=1) must not have one already.
         local_cluster.kubectl("delete", "nodes", *pool, "--wait=false", check=False)
 
 

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
 from tpuft_dev.cluster import build, versions
-from tpuft_dev.cluster.local import ClusterError, LocalCluster, default_cache
+from tpuft_dev.cluster.local import (
+    ClusterError,
+    LocalCluster,
+    checkout_cluster_name,
+    default_cache,
+    enclosing_checkout,
+)
 from tpuft_operator import topology
 
 
@@ -106,6 +113,28 @@ def down(name: str, every: bool) -> None:
             _err(f"cluster {one.name!r} is down")
 
     _run("cluster down", go)
+
+
+@cluster.command("test-name")
+@click.option(
+    "--checkout",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=".",
+    show_default=True,
+    help="A directory in the checkout whose test cluster to name.",
+)
+def print_test_name(checkout: Path) -> None:
+    """Print the name of the cluster the test suite of a checkout runs on (one per checkout:
+    pytest-<directory>-<hash of its path>; TPUFT_TEST_CLUSTER overrides). Remove it with
+    `tpuft cluster down --name "$(tpuft cluster test-name)"`, or `make clean-cluster`."""
+
+    def go() -> None:
+        root = enclosing_checkout(checkout)
+        if root is None:
+            raise ClusterError(f"{checkout.resolve()} is not in a checkout of tpuft: pass --checkout")
+        click.echo(checkout_cluster_name(root))
+
+    _run("cluster test-name", go)
 
 
 @cluster.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,45 @@ def default_name() -> str:
 
 class ClusterError(RuntimeError):
     """The local cluster could not do what was asked; the message names the component."""
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it can name a cluster: it is a directory under $TPUFT_CACHE/clusters (which
+    `down` removes), a word in `tpuft cluster env`'s shell lines, and the test suite's fault cluster
+    adds `-faults` to it. So: letters, digits, '.', '_' and '-', starting with a letter or digit, at
+    most 63 characters (no '/' or '..' to leave the cache, nothing a shell would split or expand)."""
+    if not _NAME.fullmatch(name):
+        raise ClusterError(
+            f"invalid cluster name {name!r}: use letters, digits, '.', '_' and '-', starting with a "
+            "letter or digit, at most 63 characters"
+        )
+    return name
+
+
+def checkout_cluster_name(checkout: Path, environ: Mapping[str, str] = os.environ) -> str:
+    """The cluster the test suite of ``checkout`` runs on: TPUFT_TEST_CLUSTER if set, else
+    `pytest-<directory name>-<8 hex digits of the sha256 of its resolved path>`. The same checkout
+    always gets the same name (a warm re-run reuses its cluster), two checkouts two names (two
+    `make test` on one machine do not share one cluster)."""
+    override = environ.get("TPUFT_TEST_CLUSTER")
+    if override:
+        return check_name(override)
+    root = checkout.resolve()
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:8]
+    slug = re.sub(r"[^a-z0-9]+", "-", root.name.lower())[:24].strip("-")
+    return check_name(f"pytest-{slug}-{digest}" if slug else f"pytest-{digest}")
+
+
+def enclosing_checkout(start: Path) -> Path | None:
+    """The checkout of this repository that ``start`` is in (the nearest directory, ``start``
+    included, holding devtools/tpuft_dev and tests/conftest.py), or None."""
+    for directory in [start.resolve(), *start.resolve().parents]:
+        if (directory / "devtools" / "tpuft_dev").is_dir() and (directory / "tests/conftest.py").is_file():
+            return directory
+    return None
 
 
 @dataclass(frozen=True)
@@ -76,7 +116,7 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 class LocalCluster:
     def __init__(self, name: str | None = None, cache: Path | None = None, log: Log = print) -> None:
-        self.name = name or default_name()
+        self.name = check_name(name or default_name())
         self.cache = cache or default_cache()
         self.layout = Layout(self.cache / "clusters" / self.name)
         self.bins = build.binaries(self.cache)
@@ -412,12 +452,16 @@ class LocalCluster:
         slices: int = 1,
         chips_per_host: int | None = None,
         prefix: str | None = None,
+        labels: Mapping[str, str] | None = None,
         wait: bool = True,
     ) -> list[str]:
-        """Creates one kwok node pool per slice, shaped like GKE's, and waits for the nodes to be Ready."""
+        """Creates one kwok node pool per slice, shaped like GKE's, and waits for the nodes to be Ready.
+        ``labels`` are added to every node (e.g. GKE's cloud.google.com/reservation-name)."""
         shape = topology.resolve(tpu_type, topology_name, slices=1, chips_per_host=chips_per_host)
         shape = topology.SliceShape(shape.family, shape.topology, shape.chips_per_host, slices)
         nodes = kwok.nodepool_nodes(shape, prefix=prefix)
+        for node in nodes:
+            node["metadata"]["labels"].update(labels or {})
         self.apply(nodes)
         names = [node["metadata"]["name"] for node in nodes]
         if wait:
