@@ -19,34 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit import crdcheck
+from tests.unit.test_render import BASE
+from tests.unit.test_render import _shapes as catalog_shapes
 from tpuft_operator import topology
 from tpuft_operator.render import naming, render_run
 from tpuft_operator.render.jobset import STOP_PORT_NAME
 
-BASE: dict[str, Any] = {
-    "apiVersion": "tpuft.dev/v1alpha1",
-    "kind": "TPUFineTune",
-    "metadata": {"name": "run", "namespace": "ns", "uid": "00000000-0000-0000-0000-000000000042"},
-    "spec": {
-        "model": {"name": "google/gemma-2-2b"},
-        "dataset": {"name": "tatsu-lab/alpaca"},
-        "tpu": {"type": "v5e", "topology": "2x2"},
-        "training": {"maxSteps": 10},
-        "output": {"uri": "gs://bucket/out"},
-    },
-}
-
-
-def _shapes() -> list[tuple[str, str, int]]:
-    return [
-        (family.name, topo, per_host)
-        for family in topology.FAMILIES.values()
-        for topo in topology.valid_shapes(family)
-        for per_host in topology.host_sizes_for(family, math.prod(topology.parse_topology(topo)))
-    ]
-
-
-SHAPES = _shapes()
+# The render tests' base run and catalog of shapes, without the per-shape chip count.
+SHAPES = [(tpu_type, topo, per_host) for tpu_type, topo, per_host, _ in catalog_shapes()]
 
 
 def run_of(shape: tuple[str, str, int], slices: int, **spec: Any) -> dict[str, Any]:
