@@ -251,6 +251,19 @@ class TrainerConfig(_Strict):
             raise ValueError("dataset.format preference needs training.objective dpo")
         return self
 
+    def data_settings(self) -> dict[str, object]:
+        """Every setting that decides the prepared dataset's content (data/prepared.py), and nothing
+        else: a change of any of them prepares the data again, a change of anything else (steps,
+        learning rate, the TPU shape) reuses it. The trainer's fingerprint adds what only it can read
+        (the tokenizer's files, the dataset's files); the operator keys its prepare Job on these."""
+        return {
+            "model": {"name": self.model.name, "revision": self.model.revision},
+            "dataset": self.dataset.model_dump(mode="json"),
+            "maxSeqLength": self.training.max_seq_length,
+            "seed": self.training.seed,
+            "objective": self.training.objective,
+        }
+
     def to_yaml(self) -> str:
         # PyYAML's text, written faster (the operator renders one per run): see block_yaml.
         return block_yaml.dump(self.model_dump(mode="json", exclude_none=True))
