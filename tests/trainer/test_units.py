@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tiny
 from click.testing import CliRunner
@@ -363,13 +364,13 @@ def test_local_sources_missing_or_malformed(tmp_path: Path) -> None:
         data.model_location(ModelSource(name=str(tmp_path / "absent")))
     with pytest.raises(NotFoundError):
         data.load_rows(DatasetSource(name=str(tmp_path / "absent.jsonl")))
-    rows = data.load_rows(DatasetSource(name=str(tiny.write_jsonl(tmp_path / "d.jsonl", n=8))))
-    with pytest.raises(DataError, match="has no 'body' field"):
-        data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d", text_field="body"), 16, 4)
-    with pytest.raises(DataError, match="fewer than one global batch"):
-        data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d"), 16, 9)
-    encoded = data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d"), 16, 8)
-    assert {len(ids) for ids in encoded["input_ids"]} == {16}
+    source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "d.jsonl", n=8)))
+    with pytest.raises(DataError, match=r"has no 'body' field.*dataset.textField"):
+        tiny.prepared_rows(
+            source.model_copy(update={"text_field": "body"}), tiny.tokenizer(), 16, tmp_path / "o"
+        )
+    encoded = tiny.prepared_rows(source, tiny.tokenizer(), 16, tmp_path / "o")
+    assert len(encoded) == 8 and {len(row["input_ids"]) for row in encoded} == {16}
     first = encoded[0]
     assert [lab for lab, m in zip(first["labels"], first["attention_mask"], strict=True) if not m] == [
         -100
@@ -377,11 +378,10 @@ def test_local_sources_missing_or_malformed(tmp_path: Path) -> None:
 
 
 def test_chat_rows_use_the_chat_template(tmp_path: Path) -> None:
-    from tpuft_trainer import data
     from tpuft_trainer.config import DatasetSource
 
     source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "c.jsonl", n=4, chat=True)), format="chat")
-    encoded = data.tokenize(data.load_rows(source), tiny.tokenizer(), source, 64, 4)
+    encoded = tiny.prepared_rows(source, tiny.tokenizer(), 64, tmp_path / "o")
     text = "".join(tiny.tokenizer().convert_ids_to_tokens(encoded[0]["input_ids"]))
     assert text.startswith("<s>user: ")
 
@@ -580,38 +580,35 @@ def test_a_non_root_user_that_cannot_open_the_tpu_devices_is_told_why_and_what_t
 # ---- evaluation sets of any size ------------------------------------------------------------------
 @pytest.mark.parametrize("packed", [False, True])
 def test_an_evaluation_set_is_filled_to_whole_batches_with_rows_that_carry_no_loss(
-    packed: bool, caplog: pytest.LogCaptureFixture
+    packed: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import datasets
-    from tpuft_trainer.packing import IGNORE, Document, packed_rows, padded_rows
-
     from tpuft_trainer import evaluation
+    from tpuft_trainer.config import DatasetSource
+    from tpuft_trainer.data import prepare
+    from tpuft_trainer.data.packing import IGNORE
 
-    documents = [Document(list(range(3, 3 + n)), list(range(3, 3 + n))) for n in (5, 7, 4)]
-    rows = packed_rows(documents, 8, 0) if packed else padded_rows(documents, 8, 0)
-    small = datasets.Dataset.from_dict(rows)
+    def ready(held: int) -> Any:
+        path = tiny.write_jsonl(tmp_path / "t.jsonl", n=20)
+        source = DatasetSource(name=str(path), packing=packed, eval_fraction=held / 20)
+        return prepare.find_or_prepare(tiny.trainer_config(source, tmp_path / "out", 64), tiny.tokenizer())
+
+    small = ready(3)  # documents of ~60 tokens: one to a row, packed or not
+    real = [small.rows("eval")[i] for i in range(3)]
     with caplog.at_level(logging.WARNING, logger="tpuft_trainer.evaluation"):
-        filled, batches = evaluation.pad_to_full_batches(small, 4, 0, name="tiny.jsonl")
+        filled, batches = evaluation.full_batches(small, 4, name="tiny.jsonl")
     assert "fewer than one global batch (4)" in caplog.text  # a tiny set: said, not refused
-    assert len(filled) == 4 and filled.column_names == small.column_names
-    assert filled[: len(small)] == small[:]  # the real rows first, as they were
-    blank = filled[len(small)]
-    assert blank["labels"] == [IGNORE] * 8 and blank["input_ids"] == [0] * 8
-    assert blank.get("attention_mask", [1] * 8) == [1] * 8  # attends (a row of zeros gives NaN)
-    loss_tokens = sum(sum(1 for t in row[1:] if t != IGNORE) for row in small["labels"])
-    assert (batches.rows, batches.padding, batches.loss_tokens, batches.batches) == (
-        len(small),
-        4 - len(small),
-        loss_tokens,
-        1,
-    )
+    assert len(filled) == 4 and set(filled[0]) == set(real[0])
+    assert all((filled[i][key] == real[i][key]).all() for i in range(3) for key in real[i])  # real rows first
+    blank = filled[3]
+    assert blank["labels"].tolist() == [IGNORE] * 64 and blank["input_ids"].tolist() == [0] * 64
+    assert blank.get("attention_mask", np.ones(64)).tolist() == [1] * 64  # attends (zeros give NaN)
+    loss_tokens = sum(int((row["labels"][1:] != IGNORE).sum()) for row in real)
+    assert (batches.rows, batches.padding, batches.loss_tokens, batches.batches) == (3, 1, loss_tokens, 1)
     assert batches.items_per_batch == loss_tokens
     # Two batches, the second part-filled: each batch's sum over loss_tokens / 2 averages to the token mean.
-    twice = datasets.concatenate_datasets([small, small])  # 6 rows: a full batch and half of one
-    _, two = evaluation.pad_to_full_batches(twice, 4, 0, name="x")
-    assert two.batches == 2 and two.items_per_batch == two.loss_tokens / 2
+    _, two = evaluation.full_batches(ready(6), 4, name="x")
+    assert two.batches == 2 and two.padding == 2 and two.items_per_batch == two.loss_tokens / 2
     caplog.clear()
-    exact = datasets.concatenate_datasets([filled, filled])
     with caplog.at_level(logging.INFO, logger="tpuft_trainer.evaluation"):
-        same, none = evaluation.pad_to_full_batches(exact, 4, 0, name="x")
+        same, none = evaluation.full_batches(ready(8), 4, name="x")
     assert len(same) == 8 and none.padding == 0 and not caplog.text  # whole batches: left alone
