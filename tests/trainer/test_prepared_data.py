@@ -121,6 +121,21 @@ def test_a_prepared_set_is_reused_until_what_decides_it_changes(
     assert prepared.fingerprint(config, tok) not in keys
 
 
+def test_a_set_smaller_than_one_global_batch_is_a_data_error_with_its_figures(tmp_path: Path) -> None:
+    path = tiny.write_jsonl(tmp_path / "d.jsonl", n=8)
+    ready = prepare.find_or_prepare(
+        tiny.trainer_config(DatasetSource(name=str(path), packing=True), tmp_path / "out", 256),
+        tiny.tokenizer(),
+    )
+    rows = ready.manifest.splits["train"].rows
+    assert rows < 8  # ~60-token documents, four to a row
+    ready.check_fills_a_batch(rows, "d.jsonl")  # exactly one batch: fine
+    with pytest.raises(
+        DataError, match=rf"has {rows} rows after packing 8 documents, fewer than one global batch"
+    ):
+        ready.check_fills_a_batch(rows + 1, "d.jsonl")
+
+
 def test_a_cut_off_prepare_is_never_read(tmp_path: Path) -> None:
     tok = tiny.tokenizer()
     path = tiny.write_jsonl(tmp_path / "d.jsonl", n=40)

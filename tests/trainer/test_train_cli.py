@@ -206,6 +206,10 @@ def test_kill_and_resume_reproduces_losses(pool: Pool) -> None:
     assert resumed.returncode == 0, resumed.tail()
     record = metrics(output)
     assert record["resumed_from"] == "checkpoint-4"
+    # The restart read the dataset the killed attempt prepared and published: nothing tokenised again,
+    # and the same rows in the same order (the losses below).
+    assert record["data"]["reused"] and not metrics(reference_output)["data"]["reused"]
+    assert "prepared before, read memory-mapped" in resumed.stderr
     reference = losses(metrics(reference_output))
     got = losses(record)
     assert sorted(got) == [5, 6, 7, 8]

@@ -41,11 +41,11 @@ def test_every_benchmark_has_its_current_results_committed() -> None:
 
 
 def test_the_benchmarks_write_the_files_they_declare() -> None:
-    from bench import dpo, goodput, kopf_path, operator, pace, plot, recipes, scale, trainer
+    from bench import data, dpo, goodput, kopf_path, operator, pace, plot, recipes, scale, trainer
 
     modules = {
         "operator": operator, "kopf-path": kopf_path, "trainer": trainer, "recipes": recipes,
-        "dpo": dpo, "goodput": goodput, "scale": scale, "pace": pace,
+        "dpo": dpo, "goodput": goodput, "scale": scale, "pace": pace, "data": data,
     }  # fmt: skip
     assert {name: m.RESULTS for name, m in modules.items()} == {name: results_file(name) for name in modules}
     plots = {name: plot_file(name) for name, o in OUTPUTS.items() if o.plot}

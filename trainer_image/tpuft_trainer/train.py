@@ -42,7 +42,7 @@ from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.data import packing, prepared
 from tpuft_trainer.data import prepare as data_prepare
-from tpuft_trainer.errors import ConfigError, DataError, PermissionDeniedError, StoppedAfterCheckpoint
+from tpuft_trainer.errors import ConfigError, PermissionDeniedError, StoppedAfterCheckpoint
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
     FAULT_KILL_AT_STEP_ENV,
@@ -509,15 +509,8 @@ def _datasets(
     ready = data_prepare.find_or_prepare(
         config, tokenizer, workers=data_prepare.default_workers(), publish=is_rank_zero
     )
+    ready.check_fills_a_batch(global_batch, config.dataset.name)
     train = ready.manifest.splits[prepared.TRAIN]
-    if train.rows < global_batch:
-        packed = (
-            f" after packing {train.documents - train.dropped} documents" if config.dataset.packing else ""
-        )
-        raise DataError(
-            f"dataset {config.dataset.name} has {train.rows} rows{packed}, fewer than one global batch "
-            f"({global_batch}); every batch must be full (drop_last)"
-        )
     dataset = ready.rows(prepared.TRAIN)
     eval_dataset = eval_batches = None
     if ready.has_eval:
