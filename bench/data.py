@@ -271,12 +271,12 @@ def startup(corpus: Path, model: Path, *, prepared_first: bool) -> dict[str, Any
     )  # fmt: skip
     if prepared_first:
         subprocess.run(
-            [sys.executable, "-m", "tpuft_operator.cli", "prepare", "--config", str(config_path)],
+            [sys.executable, "-m", "tpuft_operator", "prepare", "--config", str(config_path)],
             env=env, check=True, capture_output=True, timeout=3600,
         )  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "tpuft_operator.cli", "train", "--config", str(config_path)],
+        [sys.executable, "-m", "tpuft_operator", "train", "--config", str(config_path)],
         env=env, capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
     if done.returncode:
