@@ -106,11 +106,12 @@ def topology_markdown() -> str:
         "## The trainer's stack on each family",
         "",
         "The catalog lists every shape GKE offers; that is not a claim that the trainer runs on each. "
-        + _sentence(trainer_stack_caveat({"tpu": {"type": "tpu7x"}}) or "") + " A tpu7x "
+        + _sentence(trainer_stack_caveat({"tpu": {"type": "tpu7x"}}) or "")
+        + " A tpu7x "
         f"run gets condition `{CONDITION}=False` (reason `{REASON_TPU7X}`) and a Warning Event "
         f"`{EVENT_REASON}` with those words when its JobSet is created, and `tpuft plan` prints them. "
         "No run of this trainer on a real slice of any family is recorded yet "
-        "(docs/trainer.md, \"What CPU runs prove, and what they cannot\").",
+        '(docs/trainer.md, "What CPU runs prove, and what they cannot").',
         "",
         "## Shapes (smallest first)",
         "",

@@ -43,7 +43,11 @@ def test_a_default_group_of_two_processes_leaves_every_host_the_same_global_batc
     # accelerate takes the world from the XLA runtime (one virtual device under SPMD), not from the
     # default group: no process splits the data.
     for seen in (first, second):
-        assert (seen["args_world_size"], seen["args_process_index"], seen["accelerator_num_processes"]) == (1, 0, 1)
+        assert (seen["args_world_size"], seen["args_process_index"], seen["accelerator_num_processes"]) == (
+            1,
+            0,
+            1,
+        )
         assert seen["parallel_mode"] == "ParallelMode.TPU"
         assert seen["sampler"] == "SeedableRandomSampler"
     for epoch in first["epochs"]:

@@ -57,8 +57,12 @@ def observe(rank: int, port: int) -> dict[str, Any]:
     )
     model = tiny.model()
     fsdp_args = fsdp_v2.get_fsdp_training_args(model)
-    trainer = _build_trainer(config, model, None, tiny.tokenizer(), rows, None, out, BATCH, fsdp_args, rank == 0)
-    check_one_feeder(world_size=trainer.args.world_size, process_index=trainer.args.process_index)  # as train.py
+    trainer = _build_trainer(
+        config, model, None, tiny.tokenizer(), rows, None, out, BATCH, fsdp_args, rank == 0
+    )
+    check_one_feeder(
+        world_size=trainer.args.world_size, process_index=trainer.args.process_index
+    )  # as train.py
     loader = trainer.get_train_dataloader()
     epochs = []
     for epoch in range(2):

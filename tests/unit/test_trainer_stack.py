@@ -22,7 +22,11 @@ def test_only_tpu7x_carries_a_caveat() -> None:
     caveat = trainer_stack.trainer_stack_caveat({"tpu": IRONWOOD})
     assert caveat is not None and caveat.startswith("the trainer's stack is unverified on tpu7x (Ironwood)")
     # The sources, so a reader can check them.
-    for source in ("pytorch/xla .github/workflows/_tpu_ci.yml", "docs.cloud.google.com/tpu/docs/tpu7x", "TorchTPU"):
+    for source in (
+        "pytorch/xla .github/workflows/_tpu_ci.yml",
+        "docs.cloud.google.com/tpu/docs/tpu7x",
+        "TorchTPU",
+    ):
         assert source in caveat
     for other in ("v4", "v5e", "v5p", "v6e"):
         assert trainer_stack.trainer_stack_caveat({"tpu": {"type": other, "topology": "2x2"}}) is None
@@ -31,9 +35,16 @@ def test_only_tpu7x_carries_a_caveat() -> None:
 
 def test_the_caveat_names_the_versions_the_trainer_image_pins() -> None:
     pins = dict(
-        re.findall(r"^([a-z_]+)(?:\[[a-z]+\])?==(\S+)$", (ROOT / "trainer_image/requirements-tpu.txt").read_text(), re.M)
+        re.findall(
+            r"^([a-z_]+)(?:\[[a-z]+\])?==(\S+)$",
+            (ROOT / "trainer_image/requirements-tpu.txt").read_text(),
+            re.M,
+        )
     )
-    assert (pins["torch_xla"], pins["libtpu"]) == (trainer_stack.TORCH_XLA_VERSION, trainer_stack.LIBTPU_VERSION)
+    assert (pins["torch_xla"], pins["libtpu"]) == (
+        trainer_stack.TORCH_XLA_VERSION,
+        trainer_stack.LIBTPU_VERSION,
+    )
     caveat = trainer_stack.TPU7X_CAVEAT
     assert f"torch_xla {pins['torch_xla']} with libtpu {pins['libtpu']}" in caveat
     assert len(caveat) <= 1024  # a Kubernetes Event's message is cut there (k8s.py)
