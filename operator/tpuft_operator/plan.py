@@ -66,6 +66,7 @@ from typing import Any
 
 from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS, SPOT_GRACE_SECONDS, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import SliceShape, resolve
+from tpuft_operator.trainer_stack import trainer_stack_caveat
 
 GIB = 1024**3
 HEADROOM = 0.10  # fraction of HBM left for XLA workspace, fragmentation and the runtime
@@ -952,6 +953,11 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         f"  mesh        fsdp={fsdp} tensor={tensor} data={data} within a slice (ICI); dcn={dcn} across slices",
         f"  HBM         {fam.hbm_gib_per_chip} GiB per chip",
         f"  host RAM    {shape.host_ram_gib} GiB per host ({shape.machine_type})",
+    ]
+    caveat = trainer_stack_caveat(ft.spec.model_dump(by_alias=True))
+    if caveat:  # what the operator says in condition TrainerStackVerified; not a reason to exit 1
+        rows.append(f"WARNING: {caveat}.")
+    rows += [
         "",
         f"Model {ft.spec.model.name}: {_count(p.model.params)} parameters",
         f"  source      {p.model.source}",

@@ -19,8 +19,9 @@ hand next to a running JobSet is derived again from what is observed.
 Beside the phase, three warnings: MaintenanceScheduled (GKE announced maintenance of a node the run's
 pods run on, maintenance.py), CheckpointSlow (a save took more than half the pods' grace period in
 all, so a stop's save, which is synchronous, may be cut off) and CheckpointSkipped (the current
-attempt found checkpoints it could not resume from: incomplete, a shard missing or truncated); and
-status.goodput (goodput.py).
+attempt found checkpoints it could not resume from: incomplete, a shard missing or truncated);
+TrainerStackVerified=False from the spec alone, for a TPU the trainer's stack is unverified on
+(trainer_stack.py); and status.goodput (goodput.py).
 
 It reads only its input, so a restarted operator derives the same status from the same cluster,
 and it never writes `status.progress` (the trainer owns that field).
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from tpuft_operator import goodput, maintenance, queueing
+from tpuft_operator import goodput, maintenance, queueing, trainer_stack
 from tpuft_operator.api.models import TERMINAL_PHASES, Phase
 from tpuft_trainer.exit_codes import ExitCode, is_user_error
 
@@ -467,6 +468,8 @@ def derive_status(obs: Observed) -> dict[str, Any]:
     derived = _derive_phase(obs)
     if derived.reason != "Finished":  # a finished run's conditions stay as they were
         derived.conditions.update(_warnings(obs, previous))
+        # Derived from the spec alone (trainer_stack.py): TrainerStackVerified=False on tpu7x.
+        derived.conditions.update(trainer_stack.condition(obs.finetune.get("spec") or {}))
     jobset_status: Obj = (obs.jobset or {}).get("status") or {}
     status: dict[str, Any] = {
         "phase": derived.phase,

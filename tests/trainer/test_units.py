@@ -20,7 +20,7 @@ from tpuft_trainer.errors import ConfigError, DataError, NotFoundError, StoppedA
 from tpuft_trainer.exit_codes import ExitCode
 from tpuft_trainer.mesh import plan_mesh
 from tpuft_trainer.progress import Meter, Snapshot, StatusReporter, format_duration
-from tpuft_trainer.world import check_runtime, detect_world
+from tpuft_trainer.world import check_one_feeder, check_runtime, detect_world
 
 pytestmark = pytest.mark.trainer
 
@@ -72,6 +72,28 @@ def test_runtime_mismatch_fatal_on_tpu_only() -> None:
     assert check_runtime(world, process_count=1, device_count=8, on_tpu=False)
     with pytest.raises(WorldError, match="8 devices"):
         check_runtime(world, process_count=1, device_count=8, on_tpu=True)
+
+
+def test_the_trainer_must_see_one_feeding_process() -> None:
+    check_one_feeder(world_size=1, process_index=0)
+    with pytest.raises(WorldError, match="a world of 2 process"):
+        check_one_feeder(world_size=2, process_index=0)
+    with pytest.raises(WorldError, match="this one 1"):
+        check_one_feeder(world_size=1, process_index=1)
+
+
+def test_a_slow_stop_save_is_advised_as_the_stop_it_was_measured_against() -> None:
+    from tpuft_trainer.stop import slow_save_advice
+
+    off_spot = slow_save_advice(40.2, 60, spot=False)
+    assert off_spot.startswith("the stop's save took 40.2 s, more than half the 60 s grace period")
+    assert "raise spec.terminationGracePeriodSeconds" in off_spot
+    on_spot = slow_save_advice(9.0, 15, spot=True)
+    assert "more than half the 15 s a Spot reclaim gives the pods" in on_spot
+    # On Spot a longer grace period changes nothing: the advice must not ask for one.
+    assert "raise spec.terminationGracePeriodSeconds" not in on_spot
+    assert "whatever spec.terminationGracePeriodSeconds says" in on_spot
+    assert "a smaller training.saveSteps" in on_spot and "spec.tpu.spotGracePeriodSeconds only" in on_spot
 
 
 # ---- mesh -----------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from tpuft_trainer.pod_contract import (
     FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV,
 )
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
-from tpuft_trainer.world import World, check_runtime, detect_world
+from tpuft_trainer.world import World, check_one_feeder, check_runtime, detect_world
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         is_rank_zero,
         eval_items_per_batch,
     )
+    check_one_feeder(world_size=trainer.args.world_size, process_index=trainer.args.process_index)
     # Checkpoints: the manager owns saving and restoring; the Trainer calls it through its own hooks.
     backend = XlaBackend()
     manager = CheckpointManager(
@@ -422,12 +423,8 @@ class _SaveLog:
             )
             grace = self.config.stop.grace_seconds
             if self.stopper.decided is not None and save.seconds > grace / 2:
-                log.warning(
-                    "the stop's save took %.1f s, more than half the %.0f s grace period: raise "
-                    "spec.terminationGracePeriodSeconds or the next stop may be cut off",
-                    save.seconds,
-                    grace,
-                )
+                advice = stop_module.slow_save_advice(save.seconds, grace, spot=self.config.stop.spot)
+                log.warning("%s", advice)
 
 
 def _stop_at_this_save(

@@ -599,7 +599,9 @@ class TPUFineTuneSpec(_Spec):
             "maintenance) before SIGKILL: every host saves the step it reached in that time, so it "
             "must hold one training step and one checkpoint save. Default: the operator's setting "
             "(60 s). A save that took more than half of it in all (the copy to host memory and the "
-            "write: a stop's save is synchronous) shows condition CheckpointSlow."
+            "write: a stop's save is synchronous) shows condition CheckpointSlow. On Spot (spec.tpu.spot) "
+            f"a reclaim gives about {SPOT_GRACE_SECONDS} s whatever this says, and saves are measured "
+            "against that: there, raising this helps the other stops, not a reclaim."
         ),
     )
     maintenance: Literal["checkpoint", "ignore"] = Field(
@@ -795,7 +797,15 @@ class CheckpointProgress(_Spec):
         default=None, description="periodic, SIGTERM, or checkpoint request <n> (maintenance)."
     )
     grace_seconds: float | None = Field(
-        default=None, ge=0, description="The pods' termination grace period at the time."
+        default=None,
+        ge=0,
+        description=(
+            "The seconds the shortest stop gives the pods after SIGTERM, which the save is measured "
+            "against: spec.terminationGracePeriodSeconds (else the operator's default), or on Spot what "
+            f"a reclaim gives, spec.tpu.spotGracePeriodSeconds (default {SPOT_GRACE_SECONDS}: GKE gives "
+            "ordinary pods ~15 s of the VM's 30 s notice, whatever the pods' terminationGracePeriodSeconds "
+            "says)."
+        ),
     )
     time: datetime | None = Field(default=None, description="When the save completed.")
 

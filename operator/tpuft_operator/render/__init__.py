@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tpuft_operator import plan
+from tpuft_operator import plan, trainer_stack
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, ValidatedRun, parse_run, validate_run
 from tpuft_operator.render.identity import namespace_objects, run_objects
@@ -38,6 +38,9 @@ class RenderedRun:
     # A Spot run of a known model whose stop save cannot fit a reclaim's ~15 s (plan.spot_stop_warning):
     # the operator says so with the run's start (Warning SpotStopTooShort).
     spot_stop_warning: str | None = None
+    # Why the trainer's stack is unverified on the run's TPU (trainer_stack.py: tpu7x), posted as a
+    # Warning TrainerStackUnverified with the run's start; the run is not refused.
+    trainer_stack_caveat: str | None = None
 
     @property
     def jobset_name(self) -> str:
@@ -75,4 +78,5 @@ def render_run(
         identity=tuple(run_objects(model)),
         network=tuple(p for p in [network_policy(model)] if p is not None and settings.network_policy),
         spot_stop_warning=plan.spot_stop_warning(model),
+        trainer_stack_caveat=trainer_stack.trainer_stack_caveat(model.spec.model_dump(by_alias=True)),
     )
