@@ -165,6 +165,7 @@ def test_the_model_loads_slice_by_slice_with_from_pretrained_logits(pool: Pool) 
 
 def test_old_full_file_checkpoints_are_refused_with_what_to_do(tmp_path: Path) -> None:
     from tpuft_trainer.attempt import Attempt, process_start_time
+    from tpuft_trainer.checkpoint.backend import TorchBackend
     from tpuft_trainer.errors import ConfigError
     from tpuft_trainer.train import _resume_point
 
@@ -173,7 +174,7 @@ def test_old_full_file_checkpoints_are_refused_with_what_to_do(tmp_path: Path) -
     for name in ("config.json", "model.safetensors", "optimizer.pt", "trainer_state.json", layout.COMPLETE):
         (old / name).write_text("{}")
     with pytest.raises(ConfigError) as refused:
-        _resume_point(layout.Store(str(tmp_path)), Attempt(process_start_time()), 1, True)
+        _resume_point(layout.Store(str(tmp_path)), Attempt(process_start_time()), 1, TorchBackend())
     message = str(refused.value)
     assert "checkpoint-8" in message and "full-file format of an earlier tpuft" in message
     assert (
@@ -181,4 +182,6 @@ def test_old_full_file_checkpoints_are_refused_with_what_to_do(tmp_path: Path) -
     )
     assert refused.value.exit_code == ExitCode.CONFIG_ERROR
     shutil.rmtree(old)  # nothing left to resume from: a fresh start
-    assert _resume_point(layout.Store(str(tmp_path)), Attempt(process_start_time()), 0, True) is None
+    assert (
+        _resume_point(layout.Store(str(tmp_path)), Attempt(process_start_time()), 0, TorchBackend()) is None
+    )

@@ -36,12 +36,14 @@ from tpuft_trainer import mesh as mesh_module
 from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, SkippedCheckpoint, process_start_time
 from tpuft_trainer.checkpoint import layout
+from tpuft_trainer.checkpoint.backend import Backend
 from tpuft_trainer.checkpoint.hf_trainer import TrainerCheckpoints, with_sharded_checkpoints
 from tpuft_trainer.checkpoint.manager import CheckpointManager, Faults, SaveRecord
+from tpuft_trainer.checkpoint.resume import agree_on_resume_point
 from tpuft_trainer.checkpoint.xla import XlaBackend
 from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.errors import ConfigError, PermissionDeniedError, StoppedAfterCheckpoint
+from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
     FAULT_KILL_AT_STEP_ENV,
@@ -159,11 +161,14 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     record.mesh = dict(zip(mesh_module.AXIS_NAMES, shape.shape, strict=True))
     log.info("mesh %s over %d devices, %d process(es)", record.mesh, devices, xr.process_count())
 
-    # 3. Output and resume: the newest checkpoint at the output that is complete and whole.
+    # 3. Output and resume: the newest checkpoint at the output that is complete and whole, one for
+    # every host (process 0 decides and tells the others over the checkpoints' own group, which the
+    # backend starts with several processes: resume.py).
     output = storage.local_dir(config.output.uri)  # the Trainer's directory (a staging copy for a URI)
     output.mkdir(parents=True, exist_ok=True)
     store = layout.Store(config.output.uri)
-    resume = _resume_point(store, attempt, world.restart_attempt, is_rank_zero)
+    backend = XlaBackend()
+    resume = _resume_point(store, attempt, world.restart_attempt, backend)
     record.resumed_from = resume.name if resume else None
     training = config.training
     preference = training.objective == "dpo"
@@ -218,7 +223,6 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         eval_items_per_batch,
     )
     # Checkpoints: the manager owns saving and restoring; the Trainer calls it through its own hooks.
-    backend = XlaBackend()
     manager = CheckpointManager(
         store,
         backend,
@@ -352,18 +356,16 @@ def _stopped(
     )
 
 
-def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, is_rank_zero: bool) -> Any:
-    """The checkpoint to resume from (``layout.Found``) or None; records and logs the skipped ones.
-    Rank 0 removes every checkpoint directory newer than it (cut off, or not whole), so no save of
-    this attempt writes into a directory that holds another attempt's files."""
-    try:
-        point = layout.resume_point(store)
-    except PermissionError as error:
-        raise PermissionDeniedError(f"cannot read the output {store.location}: {error}") from error
-    for skipped in point.skipped:
+def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, backend: Backend) -> Any:
+    """The checkpoint to resume from (``layout.Found``) or None, the same on every process; records
+    and logs the skipped ones. Process 0 then removes every checkpoint directory newer than it (cut
+    off, or not whole), so no save of this attempt writes into a directory that holds another
+    attempt's files (resume.py)."""
+    agreed = agree_on_resume_point(store, backend)
+    for skipped in agreed.point.skipped:
         log.warning("not resuming from %s at %s: %s", skipped.name, store.url(skipped.name), skipped.problem)
         attempt.skipped.append(SkippedCheckpoint(skipped.step, f"{skipped.name}: {skipped.problem}"))
-    found = point.checkpoint
+    found = agreed.point.checkpoint
     if found is not None and found.legacy:
         raise ConfigError(
             f"{found.name} at {store.url(found.name)} is in the full-file format of an earlier tpuft "
@@ -380,8 +382,8 @@ def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, i
             "restart attempt %d but no complete checkpoint at the output: starting from the beginning",
             restart_attempt,
         )
-    if is_rank_zero:
-        for action in layout.clear_after(store, found.step if found else 0):
+    if backend.process_index == 0:
+        for action in agreed.cleared:
             log.warning("%s", action)
     return found
 
