@@ -50,6 +50,7 @@ from tpuft_trainer.pod_contract import (
     FAULT_KILL_IN_SAVE_AT_STEP_ENV,
     FAULT_SIGTERM_AT_STEP_ENV,
     FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV,
+    FAULT_SLOW_WRITE_SECONDS_ENV,
 )
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
 from tpuft_trainer.world import World, check_runtime, detect_world
@@ -108,8 +109,8 @@ class RunRecord:
     # How the model was loaded: {sharded, why (when not), seconds}; and the final export's figures.
     model_load: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
-    # This process's peak resident memory (bytes, Linux VmHWM) by the end of each part: load, train
-    # (resume and saves included), export; a part that did not raise the peak shows the one before.
+    # This process's peak resident memory (bytes, Linux VmHWM) in each part: load, train (resume and
+    # saves included), export; each part's own (host_memory.part_peak); the process's is the largest.
     peak_rss: dict[str, int] = field(default_factory=dict)
     # Seconds the stop channel made the steps wait, in all (0 with one process).
     stop_channel_wait_seconds: float = 0.0
@@ -203,7 +204,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record)
         eval_items_per_batch = eval_batches.items_per_batch if eval_batches else None
         reference = None
-    record.peak_rss["load"] = host_memory.peak_bytes()
+    record.peak_rss["load"] = host_memory.part_peak()
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
@@ -230,6 +231,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         faults=Faults(
             kill_before_marker=int(env.get(FAULT_KILL_IN_SAVE_AT_STEP_ENV, "0") or 0),
             sigterm_while_writing=int(env.get(FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV, "0") or 0),
+            slow_write_seconds=float(env.get(FAULT_SLOW_WRITE_SECONDS_ENV, "0") or 0),
         ),
     )
     saves = _SaveLog(attempt, config, stopper, is_rank_zero)
@@ -275,7 +277,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         stopper.close(wait=False)
         raise
     stopper.close()
-    record.peak_rss["train"] = host_memory.peak_bytes()
+    record.peak_rss["train"] = host_memory.part_peak()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
     _throughput(record, recorder.step_times, counter, flops.per_token(training.max_seq_length))
@@ -294,7 +296,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # the export's gathers.
     _drop_optimizer_state(trainer)
     record.export = _export(trainer, tokenizer, config, store, backend, output, is_rank_zero)
-    record.peak_rss["export"] = host_memory.peak_bytes()
+    record.peak_rss["export"] = host_memory.part_peak()
     record.final_step = int(trainer.state.global_step)
     record.seconds = round(time.monotonic() - started, 2)
     if is_rank_zero:

@@ -51,10 +51,12 @@ log = logging.getLogger(__name__)
 class Faults:
     """Fault injection for tests and chaos drills (pod_contract's TPUFT_FAULT_* variables): at the
     save of step ``kill_before_marker``, SIGKILL this process once every file is written but before
-    the marker; at the save of step ``sigterm_while_writing``, send it SIGTERM as the write begins."""
+    the marker; at the save of step ``sigterm_while_writing``, send it SIGTERM as the write begins;
+    ``slow_write_seconds``: every write waits that long before its first file (slow storage)."""
 
     kill_before_marker: int = 0
     sigterm_while_writing: int = 0
+    slow_write_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class CheckpointManager:
             if self._faults.sigterm_while_writing == save.step:
                 log.warning("fault injection: SIGTERM while checkpoint-%d is being written", save.step)
                 os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(self._faults.slow_write_seconds)
             if self.is_coordinator:
                 self.store.fs.makedirs(self.store.path(name), exist_ok=True)
                 for file_name, data in save.small_files.items():
