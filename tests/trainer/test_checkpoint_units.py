@@ -260,7 +260,9 @@ def test_retention_deletes_only_complete_older_checkpoints(tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
     (tmp_path / "checkpoint-9").mkdir()  # a save in flight (no marker yet): never retired
     (tmp_path / "checkpoint-9" / "__0_0.distcp").write_text("partial")
-    assert layout.retire(layout.Store(str(tmp_path)), keep=1) == ["removed checkpoint-3 (keepCheckpoints: 1)"]
+    assert layout.retire(layout.Store(str(tmp_path)), keep=1, newest=4) == [
+        "removed checkpoint-3 (keepCheckpoints: 1)"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-9"]
 
 

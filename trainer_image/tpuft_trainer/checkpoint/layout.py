@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -262,24 +262,33 @@ def clear_after(store: Store, step: int) -> list[str]:
     return done
 
 
-def retire(store: Store, keep: int | None, protect: str | None = None) -> list[str]:
-    """Rank 0, after a checkpoint completed (no save is in flight then: one at a time). Deletes every
-    unmarked directory older than the newest complete checkpoint (a save cut off, or one that
-    ``clear_after`` unmarked and this attempt did not save again: nothing resumes from it, and on a long
-    run with many restarts they would pile up); and with ``keep``, the oldest complete checkpoints
-    beyond the newest ``keep`` (never ``protect``). An unmarked directory newer than the newest complete
-    one is left alone. Returns what was done."""
+def retire(
+    store: Store, keep: int | None, newest: int, *, known_complete: Collection[str] = (), since: int = 0
+) -> list[str]:
+    """Rank 0, once checkpoint-``newest`` is complete (no save is in flight then: one at a time).
+
+    Deletes the unmarked directories older than it and newer than ``since``, the step this attempt
+    resumed from: what ``clear_after`` unmarked at the start (or a save cut off) that this attempt did
+    not save again. Nothing resumes from them, and on a long run with many restarts they would pile
+    up. Older ones were there before this attempt, and an unmarked one newer than ``newest`` may be a
+    save to come: both are left alone. ``known_complete`` (this attempt's own saves) are not asked
+    about, so storage is asked only about the few others.
+    With ``keep``, also deletes the oldest complete checkpoints beyond the newest ``keep`` (never an
+    incomplete one). Returns what was done."""
     found = list(checkpoints(store))
-    marked = {name for _, name in found if is_marked(store, name)}
-    newest = next((step for step, name in found if name in marked), None)
-    removed = []
+
+    def marked(name: str) -> bool:
+        return name in known_complete or is_marked(store, name)
+
+    done, gone = [], set()
     for step, name in found:
-        if name not in marked and newest is not None and step < newest:
+        if since < step < newest and not marked(name):
             store.remove(name)
-            removed.append(f"removed {name}: it is not complete, and checkpoint-{newest} is")
-    complete = [name for _, name in found if name in marked]
-    for name in complete[keep:] if keep else []:
-        if name != protect:
+            gone.add(name)
+            done.append(f"removed {name}: it is not complete, and checkpoint-{newest} is")
+    if keep:
+        complete = [name for _, name in found if name not in gone and marked(name)]
+        for name in complete[keep:]:
             store.remove(name)
-            removed.append(f"removed {name} (keepCheckpoints: {keep})")
-    return removed
+            done.append(f"removed {name} (keepCheckpoints: {keep})")
+    return done

@@ -106,6 +106,8 @@ class CheckpointManager:
         self._recent: list[_Save] = []  # the last few saves, for in_flight_at
         self._completed: list[SaveRecord] = []  # only the caller's thread: _join, poll
         self.newest_complete: int | None = None  # the newest checkpoint known complete
+        self.resumed_step = 0  # the checkpoint this attempt loaded (0: none)
+        self._complete_here: set[str] = set()  # the checkpoints this attempt completed
         self.newest_started: int | None = None  # the newest save this process started
 
     # ---- saving ---------------------------------------------------------------------------------
@@ -201,8 +203,16 @@ class CheckpointManager:
     def _finished(self, record: SaveRecord) -> None:
         self.newest_complete = record.step
         self._completed.append(record)
+        self._complete_here.add(layout.name_for(record.step))
         if self.is_coordinator:
-            for action in layout.retire(self.store, self.keep):
+            retired = layout.retire(
+                self.store,
+                self.keep,
+                record.step,
+                known_complete=self._complete_here,
+                since=self.resumed_step,
+            )
+            for action in retired:
                 log.info("%s", action)
 
     def _write_failure(self, save: _Save) -> TrainerError:
@@ -282,7 +292,7 @@ class CheckpointManager:
         host_memory.release()  # the read buffers
         with self._reading(found, layout.OPTIMIZER_EXTRAS):
             extras: dict[str, Any] = json.loads(self.store.read_text(found.name, layout.OPTIMIZER_EXTRAS))
-        self.newest_complete = found.step
+        self.newest_complete = self.resumed_step = found.step
         return extras
 
     @contextlib.contextmanager
