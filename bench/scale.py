@@ -26,8 +26,8 @@ Measured by the harness for any trainer version: the child's peak RSS (`peak_rss
 ru_maxrss, the harness's samples of VmRSS every 0.25 s, and the trainer's own per-part peaks), wall
 times, the exit status, an RSS timeline (VmRSS, RssAnon, RssFile), and the CPU the rest of the
 machine used meanwhile (a run is re-run when others took more than DISTURBED of it). From the
-trainer's `<output>/tpuft-metrics.json`: `peak_rss` by the end of each part (VmHWM; the trainer of
-768b6be reset it between parts),
+trainer's `<output>/tpuft-metrics.json`: `peak_rss` of each part (VmHWM reset between parts, as the
+trainer of 768b6be did; the trainers between them reported the peak so far at the end of each part),
 `step_seconds`, `compiles_after_step`, `attempt.checkpoints`, `stopped`, `model_load`, `export`.
 
 Against what: issue 38's targets on the 168M model (TARGET_*), and with `--compare-ref REF` the same
@@ -537,8 +537,8 @@ def verdicts(
                 "; it loads the whole model on the host (from_pretrained) and the full-file checkpoint"
                 " (optimizer.pt), and saves full-file checkpoints and the model gathered"
             )
-        # The part in which the peak was reached: the first, in run order, at the highest value (the
-        # current trainer's parts are cumulative peaks).
+        # The part in which the peak was reached: the first, in run order, at the highest value (some
+        # trainers' parts were cumulative peaks: the first at the highest is where it was reached).
         in_order = [k for k in ("load", "train", "export") if k in parts]
         peak_part = next((k for k in in_order if parts[k] == max(parts.values())), None)
         periodic_peak = (figures.get("periodic") or {}).get("peak_rss_bytes")

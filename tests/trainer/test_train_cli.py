@@ -40,6 +40,11 @@ RESUME_VARIANTS: dict[str, dict[str, Any]] = {
         "training": {"optimizer": "adafactor", "max_steps": 4, "save_steps": 2},
     },
 }
+# The mesh each variant is named for (4 devices).
+VARIANT_MESH = {
+    "adamw-bf16-fsdp2xtensor2": {"dcn": 1, "data": 1, "fsdp": 2, "tensor": 2},
+    "adafactor-bf16-fsdp4": {"dcn": 1, "data": 1, "fsdp": 4, "tensor": 1},
+}
 
 
 def variant_reference(name: str) -> tuple[Proc, Path]:
@@ -153,8 +158,9 @@ def test_full_fine_tune(pool: Pool) -> None:
     assert final["blocked_seconds"] == pytest.approx(
         final["seconds"], abs=0.01
     )  # the last save is synchronous
+    # Each part's own peak (host_memory.part_peak: that a lower part says so is tested in test_units.py).
     peak = record["peak_rss"]
-    assert set(peak) == {"load", "train", "export"} and 0 < peak["load"] <= peak["train"] <= peak["export"]
+    assert set(peak) == {"load", "train", "export"} and min(peak.values()) > 0, peak
 
 
 def test_final_model_and_checkpoints_reload_exactly(pool: Pool) -> None:
@@ -225,7 +231,7 @@ def test_resume_is_exact_for_each_optimizer_dtype_and_mesh(pool: Pool, name: str
     assert resumed.returncode == 0, resumed.tail()
     record, reference = metrics(output), metrics(reference_output)
     assert record["resumed_from"] == "checkpoint-2"
-    assert record["mesh_during_training"] == reference["mesh_during_training"]
+    assert record["mesh_during_training"] == reference["mesh_during_training"] == VARIANT_MESH[name]
     got = losses(record)
     assert sorted(got) == [3, 4]
     # The same mesh and the same compiled graphs: the resumed steps reproduce the uninterrupted run's

@@ -13,7 +13,7 @@ import tiny
 from click.testing import CliRunner
 from transformers.training_args import OptimizerNames
 
-from tpuft_trainer import cli, fsdp_v2
+from tpuft_trainer import cli, fsdp_v2, host_memory
 from tpuft_trainer.cli import exit_code_for
 from tpuft_trainer.config import MeshConfig, ProgressConfig, TrainerConfig, WorldConfig
 from tpuft_trainer.errors import ConfigError, DataError, NotFoundError, StoppedAfterCheckpoint, WorldError
@@ -304,6 +304,19 @@ def test_meter_rates_ignore_compiling_saving_and_evaluating_steps() -> None:
     assert snap.tokens_per_second == pytest.approx(200)  # a mean since the start would say ~70
     assert meter.update(526, 3.0).tokens_per_second == pytest.approx(200)  # a repeated report changes nothing
     assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
+
+
+# ---- host memory ----------------------------------------------------------------------------------
+def test_each_part_of_a_run_reports_its_own_peak_memory() -> None:
+    """tpuft-metrics.json's peak_rss: a part that peaked lower than an earlier one says so, instead
+    of repeating the earlier peak (what VmHWM alone gives)."""
+    host_memory.part_peak()  # the parts before this one
+    block = b"x" * (256 << 20)  # every page written: resident
+    del block
+    host_memory.release()
+    with_block = host_memory.part_peak()  # the part that held it for a moment
+    without_block = host_memory.part_peak()  # a part that did not
+    assert with_block - without_block > 200 << 20, (with_block, without_block)
 
 
 # ---- exit codes and config ------------------------------------------------------------------------

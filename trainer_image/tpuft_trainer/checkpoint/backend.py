@@ -43,6 +43,23 @@ class Backend(Protocol):
 
     def barrier(self) -> None: ...
 
+    def broadcast_object(self, value: Any) -> Any:
+        """Process 0's ``value`` (any picklable object), on every process. A collective: every
+        process calls it; what the others pass is ignored."""
+        ...
+
+
+def broadcast_over_default_group(value: Any) -> Any:
+    """``Backend.broadcast_object`` over torch.distributed's default group, if one is initialised
+    (with one process there is nothing to send)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
 
 def _clone_tree(value: Any) -> Any:
     import torch
@@ -108,3 +125,6 @@ class TorchBackend:
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def broadcast_object(self, value: Any) -> Any:
+        return broadcast_over_default_group(value)

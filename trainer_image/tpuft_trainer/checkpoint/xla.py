@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpuft_trainer import compat
+from tpuft_trainer.checkpoint.backend import broadcast_over_default_group
 
 
 def _offsets(indices: Any) -> tuple[int, ...]:
@@ -97,6 +98,10 @@ class XlaBackend:
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def broadcast_object(self, value: Any) -> Any:
+        # The gloo group __init__ started (several processes) carries it, as it does DCP's plans.
+        return broadcast_over_default_group(value)
 
 
 def torch_xla_cpu(tensors: list[Any]) -> list[Any]:
