@@ -1,5 +1,5 @@
 """Sharded checkpoints, sliced loading and the streamed export at three model sizes (issue 38, item 8):
-`python -m bench scale [--sizes 40M 170M 340M] [--compare-ref REF]`, part of `make bench`.
+`python -m bench scale [--sizes 46M 168M 340M] [--compare-ref REF]`, part of `make bench`.
 
 Three Llama-style models built here (nothing downloaded; float32, untied embeddings, vocab 32000):
 46M (hidden 512, 4 layers), 168M (hidden 1024, 8 layers: the issue's model) and 340M (hidden 1280,
@@ -77,11 +77,11 @@ BETWEEN_STEP = 4  # 3(b): SIGTERM during the step after this one, once its save 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments
 STAGED_BYTES_PER_PARAM = 12  # what a checkpoint holds: the weights and both moments
 SIZES: dict[str, dict[str, Any]] = {
-    "40M": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8),
-    "170M": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16),
+    "46M": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8),
+    "168M": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16),
     "340M": dict(hidden_size=1280, num_hidden_layers=13, intermediate_size=3456, num_attention_heads=20),
 }
-TARGET_SIZE = "170M"
+TARGET_SIZE = "168M"
 TARGET_BLOCKED_TO_STEP = 0.25  # a periodic save blocks at most this share of a median step
 TARGET_PERIODIC_RSS = 1.15  # peak RSS with periodic checkpoints, as a multiple of without
 TARGET_PLAIN_RSS_TO_STATE = 2.0  # peak RSS without checkpoints, as a multiple of the training state

@@ -733,7 +733,7 @@ def test_the_scale_report_shows_both_trainers_and_the_verdicts(tmp_path: Path) -
     from bench import scale
 
     def side(runs: dict[str, Any]) -> dict[str, Any]:
-        return {"170M": {"figures": scale.size_figures(runs, 168_000_000), "runs": runs}}
+        return {"168M": {"figures": scale.size_figures(runs, 168_000_000), "runs": runs}}
 
     results: dict[str, Any] = {
         "what": "made up",
@@ -750,7 +750,7 @@ def test_the_scale_report_shows_both_trainers_and_the_verdicts(tmp_path: Path) -
     scale._judge(results)
     text = "\n".join(scale.report(results))
     assert "current trainer (6c46f5e + working tree)" in text and "768b6be (768b6be; blocked" in text
-    assert "targets at 170M (current):" in text and "targets at 170M (768b6be):" in text
+    assert "targets at 168M (current):" in text and "targets at 168M (768b6be):" in text
     assert "periodic save blocks training: 8.00 s at step 2 (4.00x)" in text
     assert "the whole save blocks" in text and "the staging copy of" not in text  # (the earlier trainer's)
     assert scale.plot(results, tmp_path / "scale.png").is_file()
