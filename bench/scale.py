@@ -11,7 +11,9 @@ process-global; the machine has two cores):
 1. plain: no saveSteps. Peak RSS (the process, and the trainer's `train` part), the median step.
 2. periodic: saveSteps 2 (the saves at steps 2, 4 and 6 write in the background, the last step's is
    synchronous). Peak RSS against plain's; for each periodic save, the seconds training waited for it
-   (`blocked_seconds`: the staging copy) against the median step, and its write seconds.
+   (`blocked_seconds`: the staging copy) against the median step, apart from them its wait for the
+   device to finish the steps dispatched ahead (`device_wait_seconds`: the device computes meanwhile,
+   so it is not lost), and its write seconds.
 3. SIGTERM, saveSteps 2: (a) `sigterm_in_save`: the trainer signals itself as checkpoint-4's
    background write begins (TPUFT_FAULT_SIGTERM_IN_SAVE_AT_STEP=4): it must finish that save and exit
    75 without another one; (b) `sigterm_between_saves`: the harness sends SIGTERM a third of a step
@@ -105,6 +107,10 @@ _FAULT = re.compile(r"fault injection: SIGTERM while checkpoint-(\d+)")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _COMPLETE = ".tpuft-complete"  # both formats mark a complete checkpoint so
 _SAVES = tuple(range(SAVE_STEPS, STEPS, SAVE_STEPS))  # the periodic saves (the last step's is not one)
+# Where a save's blocked time is the trainer's own but also counts the wait for the device (a trainer
+# before issue 46 timed the two as one): an upper bound of the staging copy.
+DEVICE_WAIT_INCLUDED = "trainer, device wait included"
+SPLIT_NOT_MEASURED = "device wait and staging not yet measured apart"
 
 
 # ---- the figures (pure functions) ---------------------------------------------------------------------
@@ -197,7 +203,11 @@ def periodic_saves(run: dict[str, Any], plain_median: float | None = None) -> li
     after the warm-up and without the steps that included a save), and its write seconds.
     What it waited for: the trainer's `blocked_seconds` where it says (the staging copy); else (an
     earlier trainer, whose saves blocked) the gap the save left in the step times, or for a save in
-    the warm-up, whose next step also compiles, the trainer's own seconds of that synchronous save."""
+    the warm-up, whose next step also compiles, the trainer's own seconds of that synchronous save.
+    Apart from it, the trainer's `device_wait_seconds` (the device finishing the steps the loop had
+    dispatched before the save: computed meanwhile, not lost) and `staging_seconds` (the copy alone);
+    None where the trainer did not time them apart (before issue 46 its `blocked_seconds` counted the
+    device wait too: `blocked_from` says so)."""
     metrics = _metrics(run)
     steps = metrics.get("step_seconds") or []
     saves = list(_SAVES)
@@ -209,7 +219,10 @@ def periodic_saves(run: dict[str, Any], plain_median: float | None = None) -> li
     for step in saves:
         save = recorded.get(step, {})
         blocked, source = save.get("blocked_seconds"), "trainer"
-        if blocked is None and step in gaps:
+        device_wait = save.get("device_wait_seconds")
+        if blocked is not None and device_wait is None:
+            source = DEVICE_WAIT_INCLUDED
+        elif blocked is None and step in gaps:
             blocked, source = gaps[step], "step gap"
         elif blocked is None and save.get("seconds") is not None:
             blocked, source = save["seconds"], "synchronous save seconds"
@@ -218,12 +231,15 @@ def periodic_saves(run: dict[str, Any], plain_median: float | None = None) -> li
                 "step": step,
                 "blocked_seconds": blocked,
                 "blocked_from": source if blocked is not None else None,
+                "device_wait_seconds": device_wait,
+                "staging_seconds": save.get("staging_seconds"),
                 "gap_seconds": gaps.get(step),
                 "write_seconds": save.get("write_seconds"),
                 "save_seconds": save.get("seconds"),
                 "median_step_seconds": _round(median),
                 "median_step_of": "plain" if plain_median else "periodic",
                 "blocked_to_median_step": _ratio(blocked, median),
+                "device_wait_to_median_step": _ratio(device_wait, median),
             }
         )
     return out
@@ -418,6 +434,8 @@ def _blocked_value(
         if s["blocked_seconds"] is not None and s["blocked_to_median_step"] is not None
     )
     value = each + f" of a {worst['median_step_seconds']:.2f} s median step ({worst['median_step_of']} run)"
+    if sharded:
+        value += _device_wait_note(saves)
     if periodic.get("median_step_to_plain"):
         value += (
             f"; the periodic run's own steps {periodic['median_step_seconds']:.2f} s"
@@ -425,6 +443,18 @@ def _blocked_value(
             + (": each ran beside a save's background write)" if sharded else ")")
         )
     return value
+
+
+def _device_wait_note(saves: list[dict[str, Any]]) -> str:
+    """What the saves waited for the device before their staging (not lost: it computed meanwhile)."""
+    waits = [s["device_wait_seconds"] for s in saves if s.get("device_wait_seconds") is not None]
+    if not waits:
+        return f"; {SPLIT_NOT_MEASURED}"
+    low, high = f"{min(waits):.2f}", f"{max(waits):.2f}"
+    return (
+        f"; before its staging each waited {low if low == high else f'{low}-{high}'} s for the device to"
+        " finish the steps dispatched ahead (not lost: the device computed them)"
+    )
 
 
 def _blocked_limit(figures: dict[str, Any], worst: dict[str, Any], *, sharded: bool) -> str:
@@ -1336,7 +1366,7 @@ def _table(label: str, sizes: dict[str, Any]) -> list[str]:
     lines = [
         f"  {label}:",
         f"  {'size':>5} {'params':>7} {'state':>6} {'plain':>6} {'train':>6} {'periodic':>8} {'x':>5}"
-        f" {'step s':>6} {'blocked s (x step)':>22} {'write s':>10} {'TERM a s/lost/saves':>20}"
+        f" {'step s':>6} {'blocked s (x step)':>22} {'device wait s':>15} {'write s':>10} {'TERM a s/lost/saves':>20}"
         f" {'TERM b s/lost/saves':>20} {'resume':>7} {'x':>5} {'load/startup s':>14}",
     ]
     for size, entry in sizes.items():
@@ -1349,6 +1379,12 @@ def _table(label: str, sizes: dict[str, Any]) -> list[str]:
             if s["blocked_seconds"] is not None and s["blocked_to_median_step"] is not None
         )
         writes = " ".join(f"{s['write_seconds']:.1f}" for s in saves if s["write_seconds"] is not None) or "-"
+        device_waits = (
+            " ".join(
+                f"{s['device_wait_seconds']:.1f}" for s in saves if s.get("device_wait_seconds") is not None
+            )
+            or "-"
+        )
 
         def stop(kind: str, f: dict[str, Any] = f) -> str:
             s = f.get(kind)
@@ -1366,7 +1402,7 @@ def _table(label: str, sizes: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {size:>5} {f['params'] / 1e6:>6.0f}M {f['training_state_bytes'] / GB:>6.2f} {rss(plain):>6}"
             f" {_gb(train).replace(' GB', ''):>6} {rss(periodic):>8} {_x(periodic.get('peak_rss_to_plain')).rstrip('x'):>5}"
-            f" {_s3(plain.get('median_step_seconds')):>6} {blocked or '-':>22} {writes:>10}"
+            f" {_s3(plain.get('median_step_seconds')):>6} {blocked or '-':>22} {device_waits:>15} {writes:>10}"
             f" {stop('sigterm_in_save'):>20} {stop('sigterm_between_saves'):>20} {rss(resume):>7}"
             f" {_x(resume.get('peak_rss_to_plain')).rstrip('x'):>5}"
             f" {_s(resume.get('model_load_seconds')) + '/' + _s(resume.get('startup_seconds')):>14}"
@@ -1483,16 +1519,29 @@ def _plot_peak_rss(ax: Any, sides: list[_Side]) -> None:
 
 
 def _plot_saves(ax: Any, sides: list[_Side]) -> None:
-    """Each periodic save's blocked seconds over the sizes, against the median step and the target."""
+    """Each periodic save's blocked seconds over the sizes, against the median step and the target;
+    apart from them, its wait for the device (not lost), where the trainer timed it."""
     for label, sizes, style in sides:
         marker = "o" if style == "-" else "s"
+        waited = False
         for s in sizes.values():
             for save in (s["figures"].get("periodic") or {}).get("saves") or []:
                 if save["blocked_seconds"] is not None:
                     ax.plot(
                         _millions(s), max(save["blocked_seconds"], 1e-3), marker, color="tab:red", alpha=0.7
                     )
+                if save.get("device_wait_seconds") is not None:
+                    waited = True
+                    ax.plot(
+                        _millions(s),
+                        max(save["device_wait_seconds"], 1e-3),
+                        marker,
+                        color="tab:olive",
+                        alpha=0.7,
+                    )
         ax.plot([], [], marker, color="tab:red", label=f"blocked per periodic save ({label})")
+        if waited:
+            ax.plot([], [], marker, color="tab:olive", label=f"its wait for the device, not lost ({label})")
         steps = _median_steps(sizes)
         if steps:
             ax.plot(
