@@ -4,11 +4,11 @@ A save first waits for the device to finish the steps the training loop dispatch
 (``Backend.wait_for_device``): the device computes them meanwhile, so that wait is timed apart and is
 not counted as lost to training. Then it has two parts. *Staging* copies this process's chunks of the
 model and optimizer state to host memory (``Backend.stage``): training waits for it, and only for it.
-*Writing* hands the staged copy to
-``torch.distributed.checkpoint`` (each process writes its own chunks, the coordinator the index) and,
-on rank 0, the small files and the completion marker; a periodic save writes in a background thread
-while training goes on. One save is in flight at a time: a new save, a stop and the end of training
-first wait for the one writing. A stop's save (and the last step's) is synchronous.
+*Writing* hands the staged copy to ``torch.distributed.checkpoint`` (each process writes its own
+chunks, the coordinator the index) and, on rank 0, the small files and the completion marker; a
+periodic save writes in a background thread while training goes on. One save is in flight at a
+time: a new save, a stop and the end of training first wait for the one writing. A stop's save (and
+the last step's) is synchronous.
 
 A write that fails (storage full, permission denied) is reported at the next step boundary or save
 (``poll``/``wait``) as a ``CheckpointWriteError`` naming the checkpoint, the location and the newest
@@ -128,7 +128,7 @@ class CheckpointManager:
         small files (name -> bytes) as of now."""
         started = time.monotonic()
         self._join()  # one save in flight: the previous one must be on storage first
-        waited = time.monotonic()
+        joined = time.monotonic()
         self.backend.wait_for_device()
         device_ready = time.monotonic()
         staged = self.backend.stage(state)
@@ -139,7 +139,7 @@ class CheckpointManager:
             reason,
             staged,
             files,
-            device_ready - waited,
+            device_ready - joined,
             staged_at - device_ready,
             started,
             staged_at,
