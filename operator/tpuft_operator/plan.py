@@ -579,10 +579,19 @@ STOP_WRITE_BYTES_PER_SECOND = 400 * 1024**2
 SPOT_LOSS_BOUND_SECONDS = 600
 
 
+def pods_grace_seconds(spec: TPUFineTuneSpec, default: int = DEFAULT_GRACE_SECONDS) -> int:
+    """The pods' termination grace period: spec.terminationGracePeriodSeconds, else the operator's
+    ``default``. The one reading of the field, for the JobSet's pods and for the trainer's stop alike:
+    a value given is kept as given (a 0 too, were the API ever to allow it), only a missing one
+    takes the default."""
+    given = spec.termination_grace_period_seconds
+    return given if given is not None else default
+
+
 def stop_grace_seconds(spec: TPUFineTuneSpec, default: int = DEFAULT_GRACE_SECONDS) -> int:
     """The time the pods get after SIGTERM on the stop that gives least: terminationGracePeriodSeconds
     (else the operator's ``default``), or a Spot reclaim's when shorter (GKE gives ordinary pods ~15 s)."""
-    grace = spec.termination_grace_period_seconds or default
+    grace = pods_grace_seconds(spec, default)
     if spec.tpu.spot:
         grace = min(grace, spec.tpu.spot_grace_period_seconds or SPOT_GRACE_SECONDS)
     return grace

@@ -151,6 +151,48 @@ def test_a_periodic_save_writes_what_was_staged_while_training_goes_on(
     assert all(torch.equal(written["model"][k], at_save[k]) for k in at_save)
 
 
+class DeviceRunningAhead(TorchBackend):
+    """Plain torch whose device is still computing the steps dispatched before the save (as an XLA
+    device is while the training loop runs ahead of it): waiting for it takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wait_for_device(self) -> None:
+        time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["periodic", "synchronous"])
+def test_a_save_times_the_device_wait_apart_from_the_staging_and_what_training_lost(
+    tmp_path: Path, blocking: bool
+) -> None:
+    """The wait for the device is not a cost of the save (the device computes the steps meanwhile):
+    it is reported on its own, and neither in the staging nor in what training lost (blocked)."""
+    device_seconds = 0.5
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), DeviceRunningAhead(device_seconds))
+    save(manager, 1, model, optimizer, blocking=blocking)
+    (record,) = manager.wait()
+    assert record.device_wait_seconds >= device_seconds
+    assert record.staging_seconds < device_seconds / 2  # a copy of a few hundred floats
+    assert record.blocked_seconds < device_seconds / 2 + (record.write_seconds if blocking else 0.0)
+    assert record.staging_seconds <= record.blocked_seconds
+    # All of it is in the save's seconds: a stop's save (synchronous) takes the device wait too.
+    parts = record.device_wait_seconds + record.blocked_seconds + (0.0 if blocking else record.write_seconds)
+    assert record.seconds == pytest.approx(parts, abs=1e-6)
+    if blocking:  # a synchronous save costs training its write as well
+        assert record.blocked_seconds >= record.staging_seconds + record.write_seconds - 1e-6
+    from tpuft_trainer.train import _save_line
+
+    line = _save_line(record)
+    assert (
+        f"training lost {record.blocked_seconds:.2f} s (the staging copy {record.staging_seconds:.2f} s"
+        in line
+    )
+    assert f"the device finished the steps dispatched ahead in {record.device_wait_seconds:.2f} s" in line
+
+
 def test_one_save_in_flight_a_new_one_waits_for_it(tmp_path: Path) -> None:
     model, optimizer = model_and_optimizer()
     train_step(model, optimizer, 1)

@@ -155,9 +155,19 @@ def test_full_fine_tune(pool: Pool) -> None:
         8,
         "final",
     )
-    assert final["blocked_seconds"] == pytest.approx(
+    # Each save reports the wait for the device (the steps the loop dispatched ahead, computed
+    # meanwhile: not lost) apart from the staging copy and from what training lost (blocked).
+    for save in (periodic, final):
+        assert save["device_wait_seconds"] >= 0 and 0 <= save["staging_seconds"] <= save["blocked_seconds"]
+    # The periodic save lost training its staging only: its write ran in the background.
+    assert periodic["device_wait_seconds"] + periodic["blocked_seconds"] + periodic["write_seconds"] == (
+        pytest.approx(periodic["seconds"], abs=0.01)
+    )
+    # The last save is synchronous: training lost all of it but the device wait.
+    assert final["device_wait_seconds"] + final["blocked_seconds"] == pytest.approx(
         final["seconds"], abs=0.01
-    )  # the last save is synchronous
+    )
+    assert final["blocked_seconds"] >= final["write_seconds"]
     # Each part's own peak (host_memory.part_peak: that a lower part says so is tested in test_units.py).
     peak = record["peak_rss"]
     assert set(peak) == {"load", "train", "export"} and min(peak.values()) > 0, peak

@@ -412,23 +412,36 @@ class _SaveLog:
             self.attempt.checkpoint_saved(
                 save.step,
                 save.reason,
+                device_wait_seconds=save.device_wait_seconds,
+                staging_seconds=save.staging_seconds,
                 blocked_seconds=save.blocked_seconds,
                 write_seconds=save.write_seconds,
                 seconds=save.seconds,
             )
-            log.info(
-                "saved checkpoint-%d in %.1f s (%s): training waited %.2f s, the write took %.1f s%s",
-                save.step,
-                save.seconds,
-                save.reason,
-                save.blocked_seconds,
-                save.write_seconds,
-                " in the background" if save.reason == "periodic" else "",
-            )
+            log.info("%s", _save_line(save))
             grace = self.config.stop.grace_seconds
             if self.stopper.decided is not None and save.seconds > grace / 2:
                 advice = stop_module.slow_save_advice(save.seconds, grace, spot=self.config.stop.spot)
                 log.warning("%s", advice)
+
+
+def _save_line(save: SaveRecord) -> str:
+    """The log line of a completed save: what it cost training and of what, and apart from it the
+    wait for the device (it computed the steps dispatched before the save meanwhile)."""
+    background = save.reason == "periodic"
+    parts = [f"the staging copy {save.staging_seconds:.2f} s"]
+    if not background:
+        parts.append(f"the write {save.write_seconds:.1f} s")
+    previous = save.blocked_seconds - save.staging_seconds - (0.0 if background else save.write_seconds)
+    if previous > 0.05:
+        parts.append(f"waiting for the previous save's write {previous:.1f} s")
+    return (
+        f"saved checkpoint-{save.step} in {save.seconds:.1f} s ({save.reason}): training lost"
+        f" {save.blocked_seconds:.2f} s ({', '.join(parts)})"
+        + (f", the write took {save.write_seconds:.1f} s in the background" if background else "")
+        + f"; before it the device finished the steps dispatched ahead in {save.device_wait_seconds:.2f} s"
+        " (not lost: it computed them)"
+    )
 
 
 def _stop_at_this_save(

@@ -1,11 +1,14 @@
 """The one owner of saving and restoring checkpoints (torchtitan's CheckpointManager is the model).
 
-A save has two parts. *Staging* copies this process's chunks of the model and optimizer state to host
-memory (``Backend.stage``): training waits for it, and only for it. *Writing* hands the staged copy to
-``torch.distributed.checkpoint`` (each process writes its own chunks, the coordinator the index) and,
-on rank 0, the small files and the completion marker; a periodic save writes in a background thread
-while training goes on. One save is in flight at a time: a new save, a stop and the end of training
-first wait for the one writing. A stop's save (and the last step's) is synchronous.
+A save first waits for the device to finish the steps the training loop dispatched ahead of it
+(``Backend.wait_for_device``): the device computes them meanwhile, so that wait is timed apart and is
+not counted as lost to training. Then it has two parts. *Staging* copies this process's chunks of the
+model and optimizer state to host memory (``Backend.stage``): training waits for it, and only for it.
+*Writing* hands the staged copy to ``torch.distributed.checkpoint`` (each process writes its own
+chunks, the coordinator the index) and, on rank 0, the small files and the completion marker; a
+periodic save writes in a background thread while training goes on. One save is in flight at a
+time: a new save, a stop and the end of training first wait for the one writing. A stop's save (and
+the last step's) is synchronous.
 
 A write that fails (storage full, permission denied) is reported at the next step boundary or save
 (``poll``/``wait``) naming the checkpoint, the location and the newest checkpoint that is complete;
@@ -65,9 +68,15 @@ class SaveRecord:
 
     step: int
     reason: str  # "periodic", "SIGTERM", "checkpoint request <n>", "final"
-    blocked_seconds: float  # training waited this long: the staging copy, or all of a synchronous save
+    # The device finishing the steps dispatched before the save: it computed them meanwhile, so this
+    # is not lost to training (a stop's save takes it too, within the grace period).
+    device_wait_seconds: float
+    staging_seconds: float  # the copy to host memory, alone
+    # What the save cost training: the staging (and a wait for the previous save's write, if it was
+    # still writing); a synchronous save: also its write. Everything but the device wait.
+    blocked_seconds: float
     write_seconds: float  # the write after the staging (in the background for a periodic save)
-    seconds: float  # from the save's start to the checkpoint complete on storage
+    seconds: float  # from the save's start to the checkpoint complete on storage: all of it
 
 
 @dataclass
@@ -76,7 +85,8 @@ class _Save:
     reason: str
     staged: dict[str, Any]
     small_files: dict[str, bytes]
-    blocked_seconds: float
+    device_wait_seconds: float
+    staging_seconds: float
     started: float  # monotonic: the save call
     staged_at: float  # monotonic: the end of the staging
     blocking: bool = False
@@ -125,10 +135,23 @@ class CheckpointManager:
         small files (name -> bytes) as of now."""
         started = time.monotonic()
         self._join()  # one save in flight: the previous one must be on storage first
+        joined = time.monotonic()
+        self.backend.wait_for_device()
+        device_ready = time.monotonic()
         staged = self.backend.stage(state)
         files = small_files() if self.is_coordinator else {}
         staged_at = time.monotonic()
-        save = _Save(step, reason, staged, files, staged_at - started, started, staged_at, blocking)
+        save = _Save(
+            step,
+            reason,
+            staged,
+            files,
+            device_ready - joined,
+            staged_at - device_ready,
+            started,
+            staged_at,
+            blocking,
+        )
         self.newest_started = step
         self._recent = [*self._recent[-3:], save]
         if blocking:
@@ -166,10 +189,13 @@ class CheckpointManager:
                     os.kill(os.getpid(), signal.SIGKILL)
                 layout.mark_complete(self.store, name)
             done = save.completed_at = time.monotonic()
+            training_waited_until = done if save.blocking else save.staged_at
             save.record = SaveRecord(
                 save.step,
                 save.reason,
-                blocked_seconds=done - save.started if save.blocking else save.blocked_seconds,
+                device_wait_seconds=save.device_wait_seconds,
+                staging_seconds=save.staging_seconds,
+                blocked_seconds=training_waited_until - save.started - save.device_wait_seconds,
                 write_seconds=done - save.staged_at,
                 seconds=done - save.started,
             )
