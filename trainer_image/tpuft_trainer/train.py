@@ -124,8 +124,76 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     env = os.environ if env is None else env
     started = time.monotonic()
     record = RunRecord()
+    # 1. Where this process stands, the runtime, and SIGTERM as a request to checkpoint and stop.
+    process = _start(config, env, record)
+    # 2. The mesh, which must win over the Trainer's own (compat.mesh_wins re-installs it).
+    shape = _mesh(config, process, record)
+    # 3. Output and resume: the newest checkpoint at the output that is complete and whole, one for
+    # every host (process 0 decides and tells the others over the checkpoints' own group, which the
+    # backend starts with several processes: resume.py).
+    output = storage.local_dir(config.output.uri)  # the Trainer's directory (a staging copy for a URI)
+    output.mkdir(parents=True, exist_ok=True)
+    store = layout.Store(config.output.uri)
+    backend = XlaBackend()
+    resume = _resume_point(store, process.attempt, process.world.restart_attempt, backend)
+    record.resumed_from = resume.name if resume else None
+    # 4. Model (+ LoRA) and data: the model onto the mesh slice by slice, the prepared dataset.
+    inputs = _model_and_data(config, resume, shape, process, record)
+    record.peak_rss["load"] = host_memory.part_peak()
+    # 5. The Trainer (FSDPv2 arguments from the same function users call), with the checkpoint manager
+    # behind its save and resume hooks, progress, the stop agreement and the run record's callbacks.
+    run_ = _trainer(config, env, inputs, process, store, backend, output, resume, record)
+    # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position); a stop
+    # ends here with its checkpoint; else evaluate at the end unless the last step just did.
+    _train(run_, process, output)
+    record.peak_rss["train"] = host_memory.part_peak()
+    _after_training(config, run_, process, record)
+    if process.stopper.decided is not None:
+        _stopped(
+            record,
+            process.stopper,
+            process.attempt,
+            run_.trainer,
+            output,
+            config,
+            started,
+            process.is_rank_zero,
+        )
+    if inputs.eval_dataset is not None and recipe.needs_final_evaluation(
+        config.training.eval_steps, run_.trainer.state.global_step
+    ):
+        run_.trainer.evaluate()
+    # 7. The final model in the standard format, streamed from the devices group by group (export.py).
+    # The optimizer's state is no longer needed (the last checkpoint is written): its memory goes to
+    # the export's gathers.
+    _drop_optimizer_state(run_.trainer)
+    record.export = _export(
+        run_.trainer, inputs.tokenizer, config, store, backend, output, process.is_rank_zero
+    )
+    record.peak_rss["export"] = host_memory.part_peak()
+    record.final_step = int(run_.trainer.state.global_step)
+    record.seconds = round(time.monotonic() - started, 2)
+    if process.is_rank_zero:
+        _write_record(record, output)
+        storage.upload(output, config.output.uri)
+    return record
 
-    # 1. Where this process stands; refuse multi-host shapes whose environment cannot join up.
+
+@dataclass
+class _Process:
+    """This process in the job: its place, the runtime's devices, its attempt and the stop agreement."""
+
+    world: World
+    attempt: Attempt
+    stopper: stop_module.StopCoordinator
+    devices: int
+    is_rank_zero: bool
+
+
+def _start(config: TrainerConfig, env: Mapping[str, str], record: RunRecord) -> _Process:
+    """Where this process stands; refuses multi-host shapes whose environment cannot join up; starts
+    the XLA runtime (SPMD) and the stop agreement (from here SIGTERM is a request to checkpoint and
+    stop, agreed on by every host: stop.py)."""
     world = detect_world(config.world, env)
     # Pods run as a non-root user by default: say so plainly if it cannot open the chips (before
     # libtpu tries and fails in its own words).
@@ -136,19 +204,16 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
     if config.fsdp.compilation_cache_path:
         _use_compilation_cache(config.fsdp.compilation_cache_path, world)
-
     devices = xr.global_runtime_device_count()
     for problem in check_runtime(
         world, process_count=xr.process_count(), device_count=devices, on_tpu=xr.device_type() == "TPU"
     ):
         log.warning("world: %s (fine on CPU; fatal on TPU)", problem)
-    is_rank_zero = xr.process_index() == 0
     record.devices, record.process_index, record.process_count = (
         devices,
         xr.process_index(),
         xr.process_count(),
     )
-    # From here SIGTERM is a request to checkpoint and stop (stop.py), agreed on by every host.
     stopper = stop_module.StopCoordinator(
         stop_module.open_channel(
             env.get(COORDINATOR_ADDRESS_ENV),
@@ -159,38 +224,49 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         Path(config.stop.request_file) if config.stop.request_file else None,
     )
     stopper.install()
+    return _Process(world, attempt, stopper, devices, is_rank_zero=xr.process_index() == 0)
 
-    # 2. The mesh, which must win over the Trainer's own (compat.mesh_wins re-installs it).
-    shape = mesh_module.plan_mesh(config.fsdp.mesh, devices)
+
+def _mesh(config: TrainerConfig, process: _Process, record: RunRecord) -> mesh_module.MeshShape:
+    shape = mesh_module.plan_mesh(config.fsdp.mesh, process.devices)
     fsdp_v2.use_mesh(mesh_module.build_mesh(shape))
     record.mesh = dict(zip(mesh_module.AXIS_NAMES, shape.shape, strict=True))
-    log.info("mesh %s over %d devices, %d process(es)", record.mesh, devices, xr.process_count())
+    log.info("mesh %s over %d devices, %d process(es)", record.mesh, process.devices, record.process_count)
+    return shape
 
-    # 3. Output and resume: the newest checkpoint at the output that is complete and whole, one for
-    # every host (process 0 decides and tells the others over the checkpoints' own group, which the
-    # backend starts with several processes: resume.py).
-    output = storage.local_dir(config.output.uri)  # the Trainer's directory (a staging copy for a URI)
-    output.mkdir(parents=True, exist_ok=True)
-    store = layout.Store(config.output.uri)
-    backend = XlaBackend()
-    resume = _resume_point(store, attempt, world.restart_attempt, backend)
-    record.resumed_from = resume.name if resume else None
+
+@dataclass
+class _Inputs:
+    """What the Trainer is built from: the model (with LoRA), its tokenizer, the rows, the reference."""
+
+    model: Any
+    tokenizer: Any
+    tensor_parallel_weights: int  # projections the loader laid out over the tensor axis already
+    dataset: Any
+    eval_dataset: Any
+    eval_items_per_batch: float | None  # evaluation.token_mean_loss's divisor
+    reference: Any  # objective dpo, method full: the frozen reference model
+    global_batch: int
+
+
+def _model_and_data(
+    config: TrainerConfig, resume: Any, shape: mesh_module.MeshShape, process: _Process, record: RunRecord
+) -> _Inputs:
+    """The model goes onto the mesh slice by slice (loading.py); a full fine-tune resuming from a
+    checkpoint skips the source's weights: the checkpoint has them all. The rows are the prepared
+    dataset's (data/), or preference pairs for DPO."""
     training = config.training
     preference = training.objective == "dpo"
-
-    # 4. Model (+ LoRA) and data. The model goes onto the mesh slice by slice (loading.py); a full
-    # fine-tune resuming from a checkpoint skips the source's weights: the checkpoint has them all.
+    weights_from_checkpoint = resume is not None and training.method == "full"
     load_started = time.monotonic()
     location = data.model_location(config.model)
     tokenizer = data.load_tokenizer(config.model, location)
-    loaded = loading.load_model(
-        config.model, location, weights=not (resume is not None and training.method == "full")
-    )
+    loaded = loading.load_model(config.model, location, weights=not weights_from_checkpoint)
     model = loaded.model
     record.model_load = {
         "sharded": loaded.sharded,
         "why": loaded.why or None,
-        "weights_from": "checkpoint" if resume is not None and training.method == "full" else "source",
+        "weights_from": "checkpoint" if weights_from_checkpoint else "source",
         "seconds": round(time.monotonic() - load_started, 2),
     }
     if config.dataset.packing and (refusal := packing.packing_refusal(model)):
@@ -200,32 +276,62 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
 
         model = get_peft_model(model, peft_lora_config(config.training.lora))
     global_batch = training.per_device_batch_size * shape.batch_ways
-    eval_items_per_batch = None
     if preference:
         dataset, eval_dataset = _preference_datasets(config, tokenizer)
-        reference = dpo.load_reference(config, location)
-    else:
-        dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record, is_rank_zero)
-        eval_items_per_batch = eval_batches.items_per_batch if eval_batches else None
-        reference = None
-    record.peak_rss["load"] = host_memory.part_peak()
+        return _Inputs(
+            model, tokenizer, loaded.tensor_parallel_weights, dataset, eval_dataset, None,
+            dpo.load_reference(config, location), global_batch,
+        )  # fmt: skip
+    dataset, eval_dataset, eval_batches = _datasets(
+        config, tokenizer, global_batch, record, process.is_rank_zero
+    )
+    return _Inputs(
+        model, tokenizer, loaded.tensor_parallel_weights, dataset, eval_dataset,
+        eval_batches.items_per_batch if eval_batches else None, None, global_batch,
+    )  # fmt: skip
 
-    # 5. The Trainer, with FSDPv2 arguments from the same function users call.
+
+@dataclass
+class _Run:
+    """The Trainer and what hangs on it."""
+
+    trainer: Any
+    manager: CheckpointManager
+    checkpoints: TrainerCheckpoints
+    saves: _SaveLog
+    recorder: Any  # _run_record_callback's: the end time of each step
+    counter: throughput.TokenCounter
+    flops: throughput.ModelFlops
+
+
+def _trainer(
+    config: TrainerConfig,
+    env: Mapping[str, str],
+    inputs: _Inputs,
+    process: _Process,
+    store: layout.Store,
+    backend: XlaBackend,
+    output: Path,
+    resume: Any,
+    record: RunRecord,
+) -> _Run:
+    training = config.training
+    preference = training.objective == "dpo"
     fsdp_args = fsdp_v2.get_fsdp_training_args(
-        model, config.fsdp.layer_cls_to_wrap, gradient_checkpointing=config.fsdp.gradient_checkpointing
+        inputs.model, config.fsdp.layer_cls_to_wrap, gradient_checkpointing=config.fsdp.gradient_checkpointing
     )
     trainer = _build_trainer(
         config,
-        model,
-        reference,
-        tokenizer,
-        dataset,
-        eval_dataset,
+        inputs.model,
+        inputs.reference,
+        inputs.tokenizer,
+        inputs.dataset,
+        inputs.eval_dataset,
         output,
-        global_batch,
+        inputs.global_batch,
         fsdp_args,
-        is_rank_zero,
-        eval_items_per_batch,
+        process.is_rank_zero,
+        inputs.eval_items_per_batch,
     )
     check_one_feeder(world_size=trainer.args.world_size, process_index=trainer.args.process_index)
     # Checkpoints: the manager owns saving and restoring; the Trainer calls it through its own hooks.
@@ -239,75 +345,67 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
             slow_write_seconds=float(env.get(FAULT_SLOW_WRITE_SECONDS_ENV, "0") or 0),
         ),
     )
-    saves = _SaveLog(attempt, config, stopper, is_rank_zero)
+    stopper, attempt = process.stopper, process.attempt
+    saves = _SaveLog(attempt, config, stopper, process.is_rank_zero)
     checkpoints = TrainerCheckpoints(
         manager, resume=resume, after_staging=_stop_at_this_save(stopper, manager, saves)
     )
     trainer.tpuft_checkpoints = checkpoints
     flops = throughput.model_flops(trainer.model, reference_forward=preference)
     record.reference_sharding = dpo.reference_sharding(trainer)
-    record.rows_per_step = global_batch * training.gradient_accumulation_steps
+    record.rows_per_step = inputs.global_batch * training.gradient_accumulation_steps
     # A preference pair is two rows of max_seq_length: prompt + chosen, prompt + rejected.
     tokens_per_step = record.rows_per_step * training.max_seq_length * (2 if preference else 1)
     total_steps = (
         trainer.args.max_steps
         if trainer.args.max_steps > 0
-        else _steps_for_epochs(config, dataset, record.rows_per_step)
+        else _steps_for_epochs(config, inputs.dataset, record.rows_per_step)
     )
     meter = Meter(total_steps, tokens_per_step=tokens_per_step)
-    sinks: list[Any] = [LogBar(total_steps), StatusReporter(config.progress)] if is_rank_zero else []
+    sinks: list[Any] = [LogBar(total_steps), StatusReporter(config.progress)] if process.is_rank_zero else []
     # The stop callback first: at a boundary where the hosts agree to stop, the final progress
     # report must already carry the save (on_save runs before on_train_end either way).
     trainer.add_callback(_stop_callback(stopper, attempt, checkpoints, saves, env))
-    trainer.add_callback(make_callback(sinks, meter, is_rank_zero=is_rank_zero, details=attempt.to_status))
+    trainer.add_callback(
+        make_callback(sinks, meter, is_rank_zero=process.is_rank_zero, details=attempt.to_status)
+    )
     # Then, in this order: tensor parallelism re-annotates the parameters before the record reads
     # their sharding; at a save the record counts compiles after the stop callback has marked and
     # uploaded the checkpoint; the test-only fault injection comes last.
-    trainer.add_callback(_tensor_parallel_callback(record, laid_out=loaded.tensor_parallel_weights))
+    trainer.add_callback(_tensor_parallel_callback(record, laid_out=inputs.tensor_parallel_weights))
     recorder = _run_record_callback(record)
     trainer.add_callback(recorder)
-    if is_rank_zero:
+    if process.is_rank_zero:
         trainer.add_callback(_tensorboard_upload_callback(config))
     if kill_at_step := int(env.get(FAULT_KILL_AT_STEP_ENV, "0") or 0):
         trainer.add_callback(_fault_injection_callback(kill_at_step, manager))
     counter = throughput.TokenCounter(trainer)
+    return _Run(trainer, manager, checkpoints, saves, recorder, counter, flops)
 
-    # 6. Train (resuming restores weights, optimizer, scheduler, RNG and the data position); a stop
-    # ends here with its checkpoint; else evaluate at the end unless the last step just did.
+
+def _train(run_: _Run, process: _Process, output: Path) -> None:
+    """Trains to the end (or to an agreed stop); on the way out of a failure, no save is left
+    writing and the stop channel is closed without waiting for the other hosts."""
     try:
-        trainer.train(resume_from_checkpoint=checkpoints.prepare_resume(trainer, str(output)))
-        saves.record(manager.wait())  # the last save, if one is still writing
+        run_.trainer.train(resume_from_checkpoint=run_.checkpoints.prepare_resume(run_.trainer, str(output)))
+        run_.saves.record(run_.manager.wait())  # the last save, if one is still writing
     except BaseException:
-        manager.close()
-        stopper.close(wait=False)
+        run_.manager.close()
+        process.stopper.close(wait=False)
         raise
-    stopper.close()
-    record.peak_rss["train"] = host_memory.part_peak()
-    record.attempt = attempt.to_record()
-    record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
-    _throughput(record, recorder.step_times, counter, flops.per_token(training.max_seq_length))
-    record.mfu = throughput.mfu(
-        record.tokens_per_second, record.flops_per_token, devices, config.world.peak_flops_per_chip
-    )
-    if stopper.decided is not None:
-        _stopped(record, stopper, attempt, trainer, output, config, started, is_rank_zero)
-    if eval_dataset is not None and recipe.needs_final_evaluation(
-        training.eval_steps, trainer.state.global_step
-    ):
-        trainer.evaluate()
+    process.stopper.close()
 
-    # 7. The final model in the standard format, streamed from the devices group by group (export.py).
-    # The optimizer's state is no longer needed (the last checkpoint is written): its memory goes to
-    # the export's gathers.
-    _drop_optimizer_state(trainer)
-    record.export = _export(trainer, tokenizer, config, store, backend, output, is_rank_zero)
-    record.peak_rss["export"] = host_memory.part_peak()
-    record.final_step = int(trainer.state.global_step)
-    record.seconds = round(time.monotonic() - started, 2)
-    if is_rank_zero:
-        _write_record(record, output)
-        storage.upload(output, config.output.uri)
-    return record
+
+def _after_training(config: TrainerConfig, run_: _Run, process: _Process, record: RunRecord) -> None:
+    """The attempt's record, the stop channel's wait and the throughput figures."""
+    record.attempt = process.attempt.to_record()
+    record.stop_channel_wait_seconds = round(getattr(process.stopper.channel, "wait_seconds", 0.0), 3)
+    _throughput(
+        record, run_.recorder.step_times, run_.counter, run_.flops.per_token(config.training.max_seq_length)
+    )
+    record.mfu = throughput.mfu(
+        record.tokens_per_second, record.flops_per_token, process.devices, config.world.peak_flops_per_chip
+    )
 
 
 def _write_record(record: RunRecord, output: Path) -> None:
