@@ -26,6 +26,7 @@ after packing and the packing share (real tokens / positions). Results: bench/re
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -61,15 +62,15 @@ def _words(rng: random.Random, count: int = 40_000) -> list[str]:
     ]
 
 
-def _sentence(rng: random.Random, words: list[str], weights: list[float], n: int) -> str:
-    chosen = rng.choices(words, weights, k=n)
+def _sentence(rng: random.Random, words: list[str], cumulative: list[float], n: int) -> str:
+    chosen = rng.choices(words, cum_weights=cumulative, k=n)
     return " ".join(chosen).capitalize() + rng.choice((".", ".", "?", "!"))
 
 
 def write_corpus(path: Path, conversations: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
     words = _words(rng)
-    weights = [1 / (rank + 1) for rank in range(len(words))]
+    weights = list(itertools.accumulate(1 / (rank + 1) for rank in range(len(words))))  # Zipf
     with path.open("w") as out:
         for _ in range(conversations):
             messages = []

@@ -16,7 +16,7 @@ from bench import OUTPUTS, RESULTS_DIR, plot_file, results_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
-MAX_PAGE_LINES = 250
+MAX_PAGE_LINES = 275  # ten benchmarks, a short section each
 # A mention of a results file in the docs: bench/results/NAME (NAME up to the first character that
 # cannot be part of a file name in prose or Markdown).
 MENTION = re.compile(r"bench/results/([A-Za-z0-9_.-]*[A-Za-z0-9_-])")
