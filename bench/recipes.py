@@ -53,7 +53,7 @@ def _config() -> Any:
 
 
 def _documents() -> list[Any]:
-    from tpuft_trainer.packing import Document
+    from bench.legacy_data import Document
 
     rng = random.Random(0)
     docs = []
@@ -85,9 +85,8 @@ def packing_worker() -> dict[str, Any]:
     from datasets import Dataset
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from tpuft_trainer.data import figures
+    from bench.legacy_data import figures, packed_rows, padded_rows
     from tpuft_trainer.fsdp_v2 import get_fsdp_training_args, use_fsdp_v2
-    from tpuft_trainer.packing import packed_rows, padded_rows
 
     use_fsdp_v2()
     docs = _documents()

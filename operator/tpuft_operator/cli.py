@@ -29,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("tpuft_operator.plan_cli:plan", "Show a TPUFineTune's TPU shape, mesh, HBM and host RAM needs."),
     "operator": ("tpuft_operator.main:operator", "Run the operator (reconciles TPUFineTunes into JobSets)."),
     "train": ("tpuft_trainer.cli:train", "Run the FSDPv2 training core from a rendered configuration."),
+    "prepare": (
+        "tpuft_trainer.cli:prepare",
+        "Prepare a run's dataset once on CPU and check the run before any TPU is requested.",
+    ),
 }
 
 
@@ -58,7 +62,7 @@ class LazyGroup(click.Group):
 
 def _unavailable(name: str, short_help: str, error: ModuleNotFoundError) -> click.Command:
     hint = ""
-    if name == "train":
+    if name in ("train", "prepare"):
         hint = (
             "\nThe training core needs the trainer extra: pip install 'tpuft[trainer]' "
             "-c requirements/constraints.txt (or run `make venv`)."

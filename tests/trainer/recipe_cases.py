@@ -13,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny
 from spmd import finish_case
+from tpuft_trainer.packing import Document, packed_rows
 
 from tpuft_trainer import recipe
 from tpuft_trainer.config import TrainingConfig
 from tpuft_trainer.fsdp_v2 import get_fsdp_training_args, use_fsdp_v2
-from tpuft_trainer.packing import Document, packed_rows
 from tpuft_trainer.train import peft_lora_config
 
 SEQ = 32

@@ -583,9 +583,9 @@ def test_an_evaluation_set_is_filled_to_whole_batches_with_rows_that_carry_no_lo
     packed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     import datasets
+    from tpuft_trainer.packing import IGNORE, Document, packed_rows, padded_rows
 
     from tpuft_trainer import evaluation
-    from tpuft_trainer.packing import IGNORE, Document, packed_rows, padded_rows
 
     documents = [Document(list(range(3, 3 + n)), list(range(3, 3 + n))) for n in (5, 7, 4)]
     rows = packed_rows(documents, 8, 0) if packed else padded_rows(documents, 8, 0)

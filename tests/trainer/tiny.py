@@ -166,3 +166,24 @@ def preference_pairs(n: int = 64, seed: int = 0, *, chat: bool = False) -> list[
         else:
             pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return pairs
+
+
+def prepared_rows(
+    source: Any, tok: Any, max_length: int, output: Path, *, workers: int = 1, split: str = "train"
+) -> list[dict[str, list[int]]]:
+    """``source`` prepared as the trainer prepares it (data.prepare), its rows as lists of ints."""
+    from tpuft_trainer.data import prepare
+
+    ready = prepare.find_or_prepare(trainer_config(source, output, max_length), tok, workers=workers)
+    return [{key: value.tolist() for key, value in row.items()} for row in ready.rows(split)]  # type: ignore[attr-defined]
+
+
+def trainer_config(source: Any, output: Path, max_length: int = 64, **training: Any) -> Any:
+    from tpuft_trainer.config import ModelSource, OutputConfig, TrainerConfig, TrainingConfig
+
+    return TrainerConfig(
+        model=ModelSource(name="tiny"),
+        dataset=source,
+        training=TrainingConfig(max_steps=1, max_seq_length=max_length, **training),
+        output=OutputConfig(uri=str(output)),
+    )

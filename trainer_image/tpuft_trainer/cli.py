@@ -1,4 +1,5 @@
-"""`tpuft train --config FILE`: run the training core, exiting with the documented codes.
+"""`tpuft train --config FILE` and `tpuft prepare --config FILE`: the training core and the data
+prepare step, exiting with the documented codes.
 
 The exit code is the operator's only signal of *why* a pod failed: user errors (exit_codes.py) end the
 run at once, anything else is treated as infrastructure and restarted from the latest checkpoint.
@@ -10,13 +11,17 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from tpuft_trainer.errors import StoppedAfterCheckpoint, TrainerError
 from tpuft_trainer.exit_codes import ExitCode
 from tpuft_trainer.pod_contract import JOB_COMPLETION_INDEX_ENV, LOG_LEVEL_ENV, TPU_WORKER_ID_ENV
+from tpuft_trainer.prepare_contract import PrepareSummary, error_message
+
+if TYPE_CHECKING:
+    from tpuft_trainer.config import TrainerConfig
 
 log = logging.getLogger("tpuft_trainer")
 
@@ -65,18 +70,7 @@ def train(config_path: Path) -> None:
     within the grace period; a save cut off by SIGKILL is never resumed from.
     """
     _setup_logging()
-    from pydantic import ValidationError
-
-    from tpuft_trainer.config import TrainerConfig
-
-    try:
-        config = TrainerConfig.load(config_path)
-    except (OSError, ValueError, ValidationError) as error:
-        log.error("invalid trainer configuration %s: %s", config_path, error)
-        sys.exit(ExitCode.CONFIG_ERROR)
-    except Exception as error:  # a YAML syntax error
-        log.error("unreadable trainer configuration %s: %s", config_path, error)
-        sys.exit(ExitCode.CONFIG_ERROR)
+    config = _load_config(config_path)
 
     from tpuft_trainer.train import run
 
@@ -94,6 +88,98 @@ def train(config_path: Path) -> None:
         end(code)
     log.info("done: %d steps in %.1f s", record.final_step, record.seconds)
     end(ExitCode.OK)
+
+
+def _load_config(config_path: Path, summary_file: Path | None = None) -> TrainerConfig:
+    from pydantic import ValidationError
+
+    from tpuft_trainer.config import TrainerConfig
+
+    try:
+        return TrainerConfig.load(config_path)
+    except (OSError, ValueError, ValidationError) as error:
+        message = f"invalid trainer configuration {config_path}: {error}"
+    except Exception as error:  # a YAML syntax error
+        message = f"unreadable trainer configuration {config_path}: {error}"
+    log.error("%s", message)
+    _write_summary(summary_file, error_message(message, ExitCode.CONFIG_ERROR))
+    sys.exit(ExitCode.CONFIG_ERROR)
+
+
+@click.command("prepare")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The same trainer configuration `tpuft train` reads.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that tokenise (default: the CPUs this process may use, at most 16).",
+)
+@click.option(
+    "--summary-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the result as one line of JSON (the prepare Job: /dev/termination-log).",
+)
+def prepare(config_path: Path, workers: int | None, summary_file: Path | None) -> None:
+    """Prepare the run's dataset once, on CPU, and check the run before any TPU is requested.
+
+    \b
+    Reads the tokenizer (never the weights) and the dataset, renders chat, tokenises on a pool of
+    workers, drops rows with nothing to learn, holds out the evaluation rows, packs or pads, and
+    writes the result under <output>/prepared/<fingerprint>/ (memory-mappable files, a manifest, a
+    completion marker written last). A complete one with the same fingerprint is reused as it is:
+    `tpuft train` then reads it instead of tokenising. Also checks that the model's config and
+    tokenizer are readable with the run's token, its weight files are there, and the output is
+    writable. Exit codes as `tpuft train`'s: 64-78 are user errors (the run fails, no TPU is
+    requested); anything else is retried.
+    """
+    _setup_logging()
+    config = _load_config(config_path, summary_file)
+    from tpuft_trainer.data import preflight
+    from tpuft_trainer.data.prepare import default_workers
+    from tpuft_trainer.data.prepared import EVAL, TRAIN
+
+    try:
+        ready = preflight.run(config, workers=workers or default_workers())
+    except Exception as error:
+        code = exit_code_for(error)
+        if code == 1:
+            log.exception("prepare failed (infrastructure or unknown error; the Job retries it)")
+        else:
+            log.error("prepare failed (%s, exit %d): %s", ExitCode(code).name, code, error)
+        _write_summary(summary_file, error_message(str(error), code))
+        sys.exit(code)
+    manifest = ready.manifest
+    train = manifest.splits[TRAIN]
+    summary = PrepareSummary(
+        fingerprint=manifest.fingerprint,
+        reused=ready.reused,
+        documents=train.documents,
+        dropped=train.dropped,
+        rows=train.rows,
+        positions=manifest.positions(),
+        loss_tokens=train.loss_tokens,
+        eval_rows=manifest.splits[EVAL].rows if EVAL in manifest.splits else 0,
+        seconds=0.0 if ready.reused else manifest.seconds,
+        tokens_per_second=0.0 if ready.reused else manifest.tokens_per_second,
+    )
+    _write_summary(summary_file, summary.to_message())
+    click.echo(summary.to_message())
+
+
+def _write_summary(path: Path | None, text: str) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(text)
+    except OSError as error:  # the result is in the log either way
+        log.warning("could not write the summary to %s: %s", path, error)
 
 
 def end(code: int) -> NoReturn:

@@ -1,11 +1,8 @@
-"""Evaluation rows: a named split of the same source, or a fraction of the training rows held out.
-
-The hold-out is drawn by ``training.seed`` (datasets' ``train_test_split``), so a restarted run holds
-out the same rows and never trains on its evaluation set. Rows are split before tokenising: a
-conversation or document is either trained on or evaluated on, never cut between the two.
+"""Evaluation in the Trainer: the prepared evaluation rows (a named split of the same source, or a
+fraction of the training rows held out by ``training.seed``: data.prepare.split_rows) in whole batches.
 
 An evaluation set of any size works: its last batch is filled with rows that carry no loss, and the
-loss reported is the mean over every real token (``pad_to_full_batches``, ``token_mean_loss``).
+loss reported is the mean over every real token (``full_batches``, ``token_mean_loss``).
 """
 
 from __future__ import annotations
@@ -14,33 +11,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tpuft_trainer import data
-from tpuft_trainer.config import DatasetSource
-from tpuft_trainer.errors import DataError
-from tpuft_trainer.packing import IGNORE
+from tpuft_trainer.data.prepare import Prepared
+from tpuft_trainer.data.prepared import EVAL, PreparedRows
 
 log = logging.getLogger(__name__)
-
-
-def split(rows: Any, source: DatasetSource, seed: int) -> tuple[Any, Any | None]:
-    """(training rows, evaluation rows or None)."""
-    if source.eval_fraction is not None:
-        held = max(1, round(len(rows) * source.eval_fraction))
-        if held >= len(rows):
-            raise DataError(
-                f"dataset {source.name}: dataset.evalFraction {source.eval_fraction} of {len(rows)} rows "
-                "leaves nothing to train on"
-            )
-        parts = rows.train_test_split(test_size=held, seed=seed, shuffle=True)
-        return parts["train"], parts["test"]
-    if source.eval_split is not None:
-        if source.eval_split == source.split:
-            raise DataError(
-                f"dataset {source.name}: dataset.evalSplit {source.eval_split!r} is the training split; "
-                "evaluating on the training rows measures nothing (use evalFraction to hold rows out)"
-            )
-        return rows, data.load_rows(source.model_copy(update={"split": source.eval_split}))
-    return rows, None
 
 
 @dataclass(frozen=True)
@@ -59,42 +33,28 @@ class EvalBatches:
         return self.loss_tokens / self.batches
 
 
-def pad_to_full_batches(
-    dataset: Any, global_batch: int, pad_id: int, *, name: str
-) -> tuple[Any, EvalBatches]:
-    """The evaluation rows padded to a whole number of global batches with rows that carry no loss.
+def full_batches(ready: Prepared, global_batch: int, *, name: str) -> tuple[PreparedRows, EvalBatches]:
+    """The prepared evaluation rows followed by rows that carry no loss, up to whole global batches.
 
     Every batch must be full under SPMD (one compiled shape; the Trainer's ``drop_last`` would drop
     the rest silently), and a small evaluation set is still worth evaluating. A padding row attends to
     its own pad tokens (a row of attention_mask zeros gives NaN attention on some backends) and has
-    every label IGNORE, so it adds nothing to the loss's sum or its token count."""
-    import datasets
-
-    figures = data.figures(dataset)
-    padding = -len(dataset) % global_batch
-    if len(dataset) < global_batch:
+    every label IGNORE, so it adds nothing to the loss's sum or its token count (prepared.py)."""
+    figures = ready.manifest.splits[EVAL]
+    padding = -figures.rows % global_batch
+    if figures.rows < global_batch:
         log.warning(
             "evaluation set %s has %d rows (%d tokens in the loss), fewer than one global batch (%d): "
             "its loss will be noisy; hold out more rows (dataset.evalFraction) or name a larger dataset.evalSplit",
             name,
-            len(dataset),
+            figures.rows,
             figures.loss_tokens,
             global_batch,
         )
     if padding:
-        log.info("evaluation set %s: %d rows padded with %d that carry no loss", name, len(dataset), padding)
-        width = len(dataset[0]["input_ids"])
-        blank = {
-            "input_ids": [pad_id] * width,
-            "labels": [IGNORE] * width,
-            "attention_mask": [1] * width,
-            "position_ids": list(range(width)),
-        }
-        rows = {column: [blank[column]] * padding for column in dataset.column_names}
-        dataset = datasets.concatenate_datasets(
-            [dataset, datasets.Dataset.from_dict(rows, features=dataset.features)]
-        )
-    return dataset, EvalBatches(figures.rows, padding, figures.loss_tokens, len(dataset) // global_batch)
+        log.info("evaluation set %s: %d rows padded with %d that carry no loss", name, figures.rows, padding)
+    rows = ready.rows(EVAL, padding_rows=padding)
+    return rows, EvalBatches(figures.rows, padding, figures.loss_tokens, len(rows) // global_batch)
 
 
 def token_mean_loss(trainer_class: type, items_per_batch: float) -> type:

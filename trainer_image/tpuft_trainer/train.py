@@ -27,7 +27,6 @@ from tpuft_trainer import (
     fsdp_v2,
     host_memory,
     loading,
-    packing,
     recipe,
     storage,
     throughput,
@@ -41,7 +40,9 @@ from tpuft_trainer.checkpoint.manager import CheckpointManager, Faults, SaveReco
 from tpuft_trainer.checkpoint.xla import XlaBackend
 from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.errors import ConfigError, PermissionDeniedError, StoppedAfterCheckpoint
+from tpuft_trainer.data import packing, prepared
+from tpuft_trainer.data import prepare as data_prepare
+from tpuft_trainer.errors import ConfigError, DataError, PermissionDeniedError, StoppedAfterCheckpoint
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
     FAULT_KILL_AT_STEP_ENV,
@@ -109,6 +110,9 @@ class RunRecord:
     # This process's peak resident memory (bytes, Linux VmHWM) by the end of each part: load, train
     # (resume and saves included), export; a part that did not raise the peak shows the one before.
     peak_rss: dict[str, int] = field(default_factory=dict)
+    # The prepared dataset read: {fingerprint, reused (prepared before: nothing tokenised), seconds
+    # (its prepare's wall time), directory}.
+    data: dict[str, Any] = field(default_factory=dict)
     # Seconds the stop channel made the steps wait, in all (0 with one process).
     stop_channel_wait_seconds: float = 0.0
 
@@ -195,7 +199,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         dataset, eval_dataset = _preference_datasets(config, tokenizer)
         reference = dpo.load_reference(config, location)
     else:
-        dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record)
+        dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record, is_rank_zero)
         eval_items_per_batch = eval_batches.items_per_batch if eval_batches else None
         reference = None
     record.peak_rss["load"] = host_memory.peak_bytes()
@@ -495,30 +499,44 @@ def _sub_store(store: layout.Store, name: str) -> layout.Store:
 
 
 def _datasets(
-    config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord
+    config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord, is_rank_zero: bool
 ) -> tuple[Any, Any, evaluation.EvalBatches | None]:
-    """Training rows and evaluation rows (or None), tokenised to fixed-length rows, padded or packed;
-    the evaluation rows filled up to whole batches with rows that carry no loss."""
+    """Training rows and evaluation rows (or None) of fixed length, padded or packed, read from the
+    prepared dataset (data/): the one ``tpuft prepare`` left at the output, else prepared here with
+    the same code (rank 0 publishes it, so a restart reads it); the evaluation rows filled up to whole
+    batches with rows that carry no loss."""
     training = config.training
-    train_rows, eval_rows = evaluation.split(data.load_rows(config.dataset), config.dataset, training.seed)
-    dataset = data.tokenize(train_rows, tokenizer, config.dataset, training.max_seq_length, global_batch)
+    ready = data_prepare.find_or_prepare(
+        config, tokenizer, workers=data_prepare.default_workers(), publish=is_rank_zero
+    )
+    train = ready.manifest.splits[prepared.TRAIN]
+    if train.rows < global_batch:
+        packed = (
+            f" after packing {train.documents - train.dropped} documents" if config.dataset.packing else ""
+        )
+        raise DataError(
+            f"dataset {config.dataset.name} has {train.rows} rows{packed}, fewer than one global batch "
+            f"({global_batch}); every batch must be full (drop_last)"
+        )
+    dataset = ready.rows(prepared.TRAIN)
     eval_dataset = eval_batches = None
-    if eval_rows is not None:
-        eval_dataset = data.tokenize(
-            eval_rows, tokenizer, config.dataset, training.max_seq_length, 1, what="evaluation set"
-        )
-        eval_dataset, eval_batches = evaluation.pad_to_full_batches(
-            eval_dataset, global_batch, tokenizer.pad_token_id, name=config.dataset.name
-        )
+    if ready.has_eval:
+        eval_dataset, eval_batches = evaluation.full_batches(ready, global_batch, name=config.dataset.name)
         record.eval_set = asdict(eval_batches)
-    rows = data.figures(dataset)
-    record.loss_token_share = round(rows.loss_share, 4)
+    record.loss_token_share = round(train.loss_tokens / max(1, ready.manifest.positions()), 4)
+    record.data = {
+        "fingerprint": ready.manifest.fingerprint,
+        "reused": ready.reused,
+        "seconds": ready.manifest.seconds,
+        "directory": str(ready.directory),
+    }
     log.info(
-        "%d training rows of %d positions (%s); %.1f%% of the positions count in the loss%s",
-        rows.rows,
+        "%d training rows of %d positions (%s, %s); %.1f%% of the positions count in the loss%s",
+        train.rows,
         training.max_seq_length,
         "packed" if config.dataset.packing else "padded",
-        100 * rows.loss_share,
+        "prepared before, read memory-mapped" if ready.reused else "prepared now",
+        100 * record.loss_token_share,
         f"; {eval_batches.rows} evaluation rows" if eval_batches is not None else "",
     )
     return dataset, eval_dataset, eval_batches
@@ -526,7 +544,7 @@ def _datasets(
 
 def _preference_datasets(config: TrainerConfig, tokenizer: Any) -> tuple[Any, Any]:
     """Preference pairs for trl's DPOTrainer (which tokenises them), and evaluation pairs or None."""
-    train_rows, eval_rows = evaluation.split(
+    train_rows, eval_rows = data_prepare.split_rows(
         data.load_rows(config.dataset), config.dataset, config.training.seed
     )
     dataset = dpo.preference_rows(train_rows, config.dataset, tokenizer)

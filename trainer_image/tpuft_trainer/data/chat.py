@@ -89,8 +89,15 @@ def encode(
             list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), list(out["assistant_masks"])
+    text, spans = spans_or_error(tokenizer, messages, dataset=dataset)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(encoded["input_ids"]), token_mask(encoded["offset_mapping"], spans)
+
+
+def spans_or_error(tokenizer: Any, messages: Messages, *, dataset: str) -> tuple[str, list[Span]]:
+    """``assistant_spans``, with a template that is not prefix-stable as the user's DataError."""
     try:
-        text, spans = assistant_spans(tokenizer, messages)
+        return assistant_spans(tokenizer, messages)
     except NotPrefixStable as error:
         raise DataError(
             f"dataset {dataset}: the chat template has no {{% generation %}} markers and is not prefix-stable "
@@ -98,5 +105,3 @@ def encode(
             "assistant's tokens cannot be found. Use a template with {% generation %} markers, or set "
             "dataset.assistantOnlyLoss: false to train on every token."
         ) from None
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(encoded["input_ids"]), token_mask(encoded["offset_mapping"], spans)
