@@ -28,6 +28,7 @@ from tpuft_operator.pacing import WritePace
 from tpuft_operator.preparing import PrepareSeen, Stage
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
 from tpuft_operator.render.identity import namespace_objects
+from tpuft_operator.render.prepare_job import PREPARE_SUFFIX
 from tpuft_operator.runs import RefusalCheck, Render, RunBook, RunState
 from tpuft_operator.slim import slim_jobset
 from tpuft_operator.status import (
@@ -156,6 +157,7 @@ class Created:
 
     jobset: Obj | None = None
     prepare_job: Obj | None = None  # the prepare Job created (or adopted)
+    prepare_refused: str | None = None  # why the apiserver did not create it (retried)
     name_taken: str | None = None  # another's object holds one of the run's names: the run fails
     error: ApiError | None = None  # retryable: the status says so and the resync retries
     # Nothing was tried: the cluster's JobSet is missing or too old (jobset_crd.py); the resync retries.
@@ -548,9 +550,10 @@ class Reconciler:
                 desired.rendered, desired.shape = None, None
                 desired.spec_error = ("spec.prepare", f"the apiserver refused the prepare Job: {error}")
                 return Created()
-            if not error.retryable:
-                raise
-            return Created(error=error)
+            # A quota on Jobs, a webhook, RBAC, the apiserver down: said in the status (ReplicaFailure,
+            # in the apiserver's words), and tried again at each reconcile until it is cured.
+            log.warning("cannot create the prepare Job yet: %s", error)
+            return Created(prepare_refused=str(error))
         name = job["metadata"]["name"]
         if created:
             container = job["spec"]["template"]["spec"]["containers"][0]
@@ -654,7 +657,8 @@ class Reconciler:
                     (created.shortfall.reason, created.shortfall.message) if created.shortfall else None
                 ),
                 name_taken=created.name_taken,
-                pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log),
+                pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log, prepare),
+                prepare_refused=created.prepare_refused,
                 workload=seen.workload,
                 prepare=prepare,
                 chips=shape.chips if shape else None,
@@ -720,27 +724,24 @@ class Reconciler:
         pods: Sequence[Obj],
         shape: SliceShape | None,
         log: Log,
+        prepare: PrepareSeen | None = None,
     ) -> str | None:
-        """The apiserver's words for the run's pods it refused, while some are missing, else None.
+        """The apiserver's words for the run's pods it refused, while some are missing, else None: the
+        JobSet's, or before it the prepare Job's pod (``prepare``).
 
         The Job controller records a refused pod only as a FailedCreate Event on its Job (its status
         has no condition for it, pkg/controller/job), and retries with a backoff; the JobSet
         controller records a refused Job only as a JobCreationFailed Event on the JobSet. Nothing the
-        operator watches changes then, so while pods are missing it looks, once the JobSet is
-        REFUSAL_CHECK_AFTER seconds old and then at doubling intervals, and asks for the reconcile
-        that does (two Event lists of the namespace, filtered by the apiserver, per look)."""
-        missing = (
-            jobset is not None
-            and shape is not None
-            and not (jobset.get("spec") or {}).get("suspend")
-            and not is_final(finetune, jobset)
-            and len(current_pods(pods, jobset)) < shape.hosts
-        )
-        if not missing or jobset is None:
+        operator watches changes then, so while pods are missing it looks, once the JobSet (or the
+        prepare Job) is REFUSAL_CHECK_AFTER seconds old and then at doubling intervals, and asks for
+        the reconcile that does (two Event lists of the namespace, filtered by the apiserver, per look)."""
+        target = self._missing_pods(finetune, jobset, pods, shape, prepare)
+        if target is None:
             run.refusal = None
             return None
+        owner, refuses = target
         now = time.monotonic()
-        created = parse_time((jobset.get("metadata") or {}).get("creationTimestamp"))
+        created = parse_time((owner.get("metadata") or {}).get("creationTimestamp"))
         age = time.time() - created.timestamp() if created is not None else 0.0
         check = run.refusal or RefusalCheck(
             due=now + max(0.0, REFUSAL_CHECK_AFTER - age), wait=0.0, found=None
@@ -749,14 +750,13 @@ class Reconciler:
             run.refusal = check
             self._defer(run, check.due - now)
             return check.found
-        namespace, name = str(finetune["metadata"]["namespace"]), str(jobset["metadata"]["name"])
-        prefix = f"{name}-{naming.REPLICATED_JOB}-"
+        namespace = str(finetune["metadata"]["namespace"])
         try:
             listed = self.refusals.of(self.api, namespace)
         except ApiError as error:
             log.warning("cannot tell why the run's pods are missing: %s", error)
             listed = []
-        events = [e for e in listed if _refuses(e, jobset=name, job_prefix=prefix)]
+        events = [e for e in listed if refuses(e)]
         since = created.timestamp() if created is not None else 0.0
         recent = []
         for event in events:
@@ -774,6 +774,34 @@ class Reconciler:
         )
         self._defer(run, wait)
         return run.refusal.found
+
+    @staticmethod
+    def _missing_pods(
+        finetune: Obj,
+        jobset: Obj | None,
+        pods: Sequence[Obj],
+        shape: SliceShape | None,
+        prepare: PrepareSeen | None,
+    ) -> tuple[Obj, Callable[[Obj], bool]] | None:
+        """(the object whose pods are missing, which refusal Events are of it), or None when no pod
+        is missing: the JobSet's pods, or while there is no JobSet the prepare Job's pod."""
+        if is_final(finetune, jobset):
+            return None
+        if jobset is None:
+            job = prepare.job if prepare is not None else None
+            if job is None or prepare is None or prepare.state().stage is not Stage.RUNNING:
+                return None
+            if any(_alive(p) for p in prepare.pods):
+                return None
+            name = str(job["metadata"]["name"])
+            return job, lambda e: _refuses_prepare(e, job=name)
+        if shape is None or (jobset.get("spec") or {}).get("suspend"):
+            return None
+        if len(current_pods(pods, jobset)) >= shape.hosts:
+            return None
+        name = str(jobset["metadata"]["name"])
+        prefix = f"{name}-{naming.REPLICATED_JOB}-"
+        return jobset, lambda e: _refuses(e, jobset=name, job_prefix=prefix)
 
     def _request_checkpoints(
         self,
@@ -957,12 +985,26 @@ def _refuses(event: Obj, *, jobset: str, job_prefix: str) -> bool:
     return name == jobset if involved.get("kind") == "JobSet" else name.startswith(job_prefix)
 
 
+def _alive(pod: Obj) -> bool:
+    """Not being deleted and not finished (a retry's pod is what may be missing)."""
+    phase = (pod.get("status") or {}).get("phase")
+    return not (pod.get("metadata") or {}).get("deletionTimestamp") and phase not in ("Succeeded", "Failed")
+
+
+def _refuses_prepare(event: Obj, *, job: str) -> bool:
+    """Whether a refusal Event is of the run's prepare Job."""
+    involved = event.get("involvedObject") or {}
+    return involved.get("kind") == "Job" and involved.get("name") == job
+
+
 def _refusal_message(event: Obj) -> str:
-    what = (
-        "the JobSet controller cannot create the run's Jobs"
-        if (event.get("involvedObject") or {}).get("kind") == "JobSet"
-        else "the Job controller cannot create the run's pods"
-    )
+    involved = event.get("involvedObject") or {}
+    if involved.get("kind") == "JobSet":
+        what = "the JobSet controller cannot create the run's Jobs"
+    elif str(involved.get("name") or "").endswith(PREPARE_SUFFIX):
+        what = "the Job controller cannot create the run's prepare pod"
+    else:
+        what = "the Job controller cannot create the run's pods"
     return f"{what}: {event.get('message') or ''}"
 
 

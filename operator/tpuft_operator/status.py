@@ -70,6 +70,8 @@ class Observed:
     # The run's data preparation (preparing.py): None when spec.prepare.enabled is false or the spec
     # does not render.
     prepare: PrepareSeen | None = None
+    # The apiserver refused the run's prepare Job (a quota on Jobs, a webhook): its words.
+    prepare_refused: str | None = None
     chips: int | None = None
     hosts: int | None = None
     accelerator: str | None = None
@@ -241,6 +243,30 @@ def _derive_phase(obs: Observed) -> _Derived:
                 state.reason,
                 state.message,
                 {**valid, DATA_PREPARED: failed, "Failed": ("True", state.reason, state.message)},
+            )
+        elif jobset is None and obs.prepare_refused is not None and state.stage is Stage.ABSENT:
+            message = f"the operator cannot create the run's prepare Job, retrying: {obs.prepare_refused}"
+            return _Derived(
+                Phase.PREPARING,
+                "FailedCreate",
+                message,
+                {
+                    **valid,
+                    DATA_PREPARED: ("False", "Preparing", message),
+                    "ReplicaFailure": ("True", "FailedCreate", message),
+                },
+            )
+        elif jobset is None and obs.pods_refused is not None:
+            message = obs.pods_refused  # the prepare pod, refused (PodSecurity, a quota, a webhook)
+            return _Derived(
+                Phase.PREPARING,
+                "FailedCreate",
+                message,
+                {
+                    **valid,
+                    DATA_PREPARED: ("False", "Preparing", message),
+                    "ReplicaFailure": ("True", "FailedCreate", message),
+                },
             )
         elif jobset is None:
             return _Derived(
@@ -425,7 +451,7 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
         # Why creating it failed (ApiError, JobSetTooOld, ...) is over once the JobSet exists.
         name = obs.jobset["metadata"]["name"]
         wanted["Created"] = ("True", "JobSetCreated", f"created JobSet {name}")
-    if obs.pods_refused is None and "ReplicaFailure" in was_true:
+    if obs.pods_refused is None and obs.prepare_refused is None and "ReplicaFailure" in was_true:
         wanted["ReplicaFailure"] = ("False", "PodsCreated", "the apiserver accepts the run's pods")
     progress = previous.get("progress") or {}
     save = progress.get("lastCheckpoint") or {}

@@ -448,6 +448,14 @@ class JobApi(RecordingApi):
         self.calls.append(("delete", "Job"))
         self.deleted.append((name, uid))
 
+    def patch_finetune_status(self, namespace: str, name: str, status: Any) -> dict[str, Any]:
+        """The run (of BASE, prepare enabled) as the apiserver answers a status patch."""
+        super().patch_finetune_status(namespace, name, status)
+        body = new_run()
+        body["metadata"]["resourceVersion"] = str(self.resource_version)
+        body["status"] = copy.deepcopy(self.last_status)
+        return body
+
 
 class ReasonsAndMessages(Events):
     def __init__(self) -> None:
@@ -479,8 +487,7 @@ def test_the_reconciler_prepares_then_creates_the_jobset_with_the_figures() -> N
     live = preparing.slim_job({**created, "metadata": {**created["metadata"], "uid": "job-1"}})
     live["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
     summary_pod = prepare_pod("Succeeded", exit_code=0, message=SUMMARY.to_message())
-    # The run as the watch shows it after the first status write (newer than that write's answer).
-    running = {**run, "metadata": {**run["metadata"], "resourceVersion": "1000"}, "status": api.last_status}
+    running = {**run, "status": api.last_status}
     r.reconcile(running, None, [summary_pod], event=events, prepare_job=live)
     assert ("create", "JobSet") in api.calls
     assert api.last_status["data"]["settingsHash"] == settings_hash
@@ -515,3 +522,50 @@ def test_settings_of_the_reconciler_render_the_job_too() -> None:
     pod = job["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == "registry.example/trainer:9"
     assert pod["securityContext"]["runAsUser"] == 0
+
+
+def test_a_prepare_job_the_apiserver_refuses_is_said_in_its_words_and_tried_again() -> None:
+    from tpuft_operator.k8s import ApiError
+
+    refusal = 'creating Job ns/run-prepare: HTTP 403: jobs.batch "run-prepare" is forbidden: exceeded quota: no-jobs'
+
+    class QuotaApi(JobApi):
+        def create_or_adopt(self, obj: Any) -> tuple[dict[str, Any], bool]:
+            self.calls.append(("refused", obj["kind"]))
+            raise ApiError(refusal, status=403, retryable=False)
+
+    api, events = QuotaApi(), Events()
+    r, _ = reconciler(api)
+    r.reconcile(new_run(), None, [], event=events)  # not raised: the status says it, the resync retries
+    status = api.last_status
+    assert status["phase"] == "Preparing" and refusal in status["message"]
+    failure = cond(status, "ReplicaFailure")
+    assert (failure["status"], failure["reason"]) == ("True", "FailedCreate")
+    assert "ReplicaFailure" in events.posted
+    r.reconcile(new_run(), None, [], event=events)
+    assert api.calls.count(("refused", "Job")) == 2
+
+
+def test_a_prepare_pod_the_apiserver_refuses_is_said_in_its_words() -> None:
+    refusal = 'Error creating: pods "run-prepare-x" is forbidden: violates PodSecurity "restricted:latest"'
+
+    class RefusingApi(JobApi):
+        def creation_failures(self, namespace: str) -> list[dict[str, Any]]:
+            self.calls.append(("events", namespace))
+            return [
+                {
+                    "message": refusal,
+                    "lastTimestamp": "2099-01-01T00:00:00Z",
+                    "involvedObject": {"kind": "Job", "name": "run-prepare"},
+                }
+            ]
+
+    api, events = RefusingApi(), Events()
+    r, _ = reconciler(api)
+    old = job()
+    old["metadata"]["creationTimestamp"] = "2020-01-01T00:00:00Z"
+    r.reconcile(new_run(), None, [], event=events, prepare_job=old)  # no pod of it exists
+    status = api.last_status
+    assert status["phase"] == "Preparing"
+    assert status["message"] == f"the Job controller cannot create the run's prepare pod: {refusal}"
+    assert cond(status, "ReplicaFailure")["status"] == "True"

@@ -71,9 +71,12 @@ MAX_WORKERS = 64
 _HASH_CHARS = 16
 
 
+PREPARE_SUFFIX = "-prepare"
+
+
 def prepare_job_name(ft: TPUFineTune) -> str:
     """``<jobset>-prepare``: at most 42 + 8 characters, so its pods' names (+ 6) stay within 63."""
-    return f"{naming.jobset_name(ft.metadata.name, ft.metadata.uid)}-prepare"
+    return f"{naming.jobset_name(ft.metadata.name, ft.metadata.uid)}{PREPARE_SUFFIX}"
 
 
 def data_settings_hash(config: TrainerConfig) -> str:
