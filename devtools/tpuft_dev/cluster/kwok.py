@@ -186,6 +186,12 @@ def simulated_first_attempt_exit(exit_code: int, after: str = "2s") -> dict[str,
     }
 
 
+def hold_prepare(duration: str) -> dict[str, str]:
+    """Pod annotations that keep a run's kwok prepare pod Running for ``duration`` before it completes
+    (its TPU pods are not affected), so that the run is seen Preparing."""
+    return {EXIT_DELAY_ANNOTATION: duration}
+
+
 def simulated_prepare_exit(exit_code: int, after: str = "1s") -> dict[str, str]:
     """Pod annotations that make a run's kwok prepare pod terminate with ``exit_code`` (its TPU pods are
     not affected)."""
