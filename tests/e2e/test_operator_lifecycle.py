@@ -403,6 +403,7 @@ def test_operator_permissions_are_the_charts(local_cluster: LocalCluster, operat
         return result.stdout.strip() == "yes"
 
     assert can("create", "jobsets.jobset.x-k8s.io", "-n", "default")
+    assert can("create", "jobs.batch", "-n", "default")  # the prepare Job
     assert can("patch", "tpufinetunes.tpuft.dev", "--subresource=status", "-n", "default")
     assert not can("get", "secrets", "-A")
     assert not can("create", "pods", "-n", "default")
