@@ -378,7 +378,7 @@ class Reconciler:
         jobset = self._jobset_of_record(run, finetune, seen.jobset)
         desired = self._desired(run, finetune, objects_needed=jobset is None)
         workload = queueing.workload_of([seen.workload], jobset) if seen.workload is not None else None
-        prepare = self._prepare_seen(desired, seen)
+        prepare = self._prepare_seen(run, desired, seen)
         decision = decide(finetune, desired.spec_error is None, jobset, workload, prepare)
         created = Created(jobset=jobset)
         if decision.delete_prepare_job and prepare is not None and prepare.job is not None:
@@ -519,13 +519,21 @@ class Reconciler:
         return Created(jobset=jobset)
 
     @staticmethod
-    def _prepare_seen(desired: Desired, seen: Seen) -> PrepareSeen | None:
-        """The run's preparation while its JobSet is to be created (the full render is at hand then),
-        else None: no Job once a JobSet exists, and none with spec.prepare.enabled false."""
+    def _prepare_seen(run: RunState, desired: Desired, seen: Seen) -> PrepareSeen | None:
+        """The run's preparation (None with spec.prepare.enabled false, or a spec that does not
+        render). Once the JobSet exists only the shape of the render is kept, and its data settings'
+        hash (RunState): the Job's figures are still read if the status does not have them yet (its
+        first status after the JobSet's creation waits for the pods: status settling)."""
         rendered = desired.rendered
-        if rendered is None or rendered.prepare_job is None:
-            return None
-        return PrepareSeen(rendered.data_settings_hash, seen.prepare_job, seen.prepare_pods)
+        if rendered is not None:
+            return (
+                PrepareSeen(rendered.data_settings_hash, seen.prepare_job, seen.prepare_pods)
+                if rendered.prepare_job is not None
+                else None
+            )
+        if desired.spec_error is None and run.data_settings_hash is not None:
+            return PrepareSeen(run.data_settings_hash, seen.prepare_job, seen.prepare_pods)
+        return None
 
     def _create_prepare_job(
         self, run: RunState, finetune: Obj, desired: Desired, event: EventSink, log: Log

@@ -7,11 +7,12 @@ against the local cluster is in tests/e2e (test_operator_lifecycle, test_kueue, 
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import pytest
 
-from tests.unit.test_reconciler import Events, RecordingApi, reconciler
+from tests.unit.test_reconciler import OURS, Events, RecordingApi, reconciler
 from tests.unit.test_render import BASE, pod_spec, with_spec
 from tests.unit.test_status import NOW, cond, jobset
 from tests.unit.test_status import finetune as status_finetune
@@ -569,3 +570,22 @@ def test_a_prepare_pod_the_apiserver_refuses_is_said_in_its_words() -> None:
     assert status["phase"] == "Preparing"
     assert status["message"] == f"the Job controller cannot create the run's prepare pod: {refusal}"
     assert cond(status, "ReplicaFailure")["status"] == "True"
+
+
+def test_the_figures_reach_the_status_when_its_first_write_after_the_jobset_waits() -> None:
+    """Found by the e2e run: the first status after the JobSet's creation waits for its pods (status
+    settling), and by then only the render's shape is kept; the Job's figures must still come."""
+    api, events = JobApi(), Events()
+    r, _ = reconciler(api, settle=0.05)
+    run = new_run()
+    run["status"] = {"phase": "Preparing"}
+    done = job("Complete")
+    summary_pod = prepare_pod("Succeeded", exit_code=0, message=SUMMARY.to_message())
+    r.reconcile(run, None, [summary_pod], event=events, prepare_job=done)
+    assert ("create", "JobSet") in api.calls and not [c for c in api.calls if c[0] == "status"]
+    time.sleep(0.06)
+    live = {"metadata": {"name": "run", "namespace": "ns", "ownerReferences": OURS}, "spec": {}, "status": {}}
+    r.reconcile(run, live, [summary_pod], event=events, prepare_job=done)
+    assert api.last_status["phase"] == "Pending"
+    assert api.last_status["data"]["rows"] == 640
+    assert cond(api.last_status, "DataPrepared")["status"] == "True"
