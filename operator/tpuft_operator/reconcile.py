@@ -556,7 +556,11 @@ class Reconciler:
             if error.status in (400, 422):
                 log.warning("the spec renders to a prepare Job the apiserver refuses: %s", error)
                 desired.rendered, desired.shape = None, None
-                desired.spec_error = ("spec.prepare", f"the apiserver refused the prepare Job: {error}")
+                # Rendered from the spec's volumes, env and resources as much as from spec.prepare.
+                desired.spec_error = (
+                    "spec",
+                    f"the apiserver refused an object rendered from this spec: {error}",
+                )
                 return Created()
             # A quota on Jobs, a webhook, RBAC, the apiserver down: said in the status (ReplicaFailure,
             # in the apiserver's words), and tried again at each reconcile until it is cured.

@@ -70,8 +70,9 @@ def test_a_run_named_after_another_runs_jobset_cannot_take_it_over(
     )
     failed = condition({"status": attacker}, "Failed")
     assert failed is not None and failed["reason"] == "NameTaken", attacker
+    # Its first object, the prepare Job, already bears the victim's name: refused there, before any JobSet.
     assert (
-        f"JobSet {namespace}/{jobset_name} already exists and belongs to TPUFineTune {VICTIM}"
+        f"Job {namespace}/{jobset_name}-prepare already exists and belongs to TPUFineTune {VICTIM}"
         in failed["message"]
     )
     assert "jobSetName" not in attacker
