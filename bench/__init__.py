@@ -30,6 +30,7 @@ OUTPUTS: dict[str, Output] = {
     "dpo": Output("make bench (python -m bench trainer)", "dpo.json"),
     "goodput": Output("make bench (python -m bench goodput)", "goodput.json", "goodput.png"),
     "scale": Output("make bench (python -m bench scale)", "scale.json", "scale.png"),
+    "data": Output("make bench (python -m bench data)", "data.json"),
     "pace": Output("python -m bench pace", "operator-pace.json"),
     # tests/e2e/test_faults.py writes it (its RESULTS) when it runs more than one round.
     "faults": Output("make chaos", "faults.json"),

@@ -3,13 +3,14 @@
 Each benchmark rewrites its one current results file in bench/results/ (`bench.OUTPUTS`).
 
 python -m bench                              # kopf-path, the operator at N=100, 300, 1000, the trainer
-                                             # (with recipes and dpo), goodput, scale
+                                             # (with recipes and dpo), goodput, scale, data
 python -m bench operator --n 100 300 1000    # one part (options: python -m bench operator -h)
 python -m bench trainer
 python -m bench kopf-path                    # one watch event's cost: kopf's per-object path vs watches.py
 python -m bench pace --n 1000              # the operator's write pace: what it buys (pods sooner) and costs
 python -m bench goodput [--steps 6000]       # a real run, undisrupted vs suspended, SIGKILLed, maintained
 python -m bench scale [--compare-ref 768b6be] # checkpoints, loading, export at 46M/168M/340M parameters
+python -m bench data [--sizes 20000 100000]  # the data path: prepare vs the old path, the floor, trl
 python -m bench report [FILE]                # the tables and plots from bench/results/*.json (FILE: an
                                              # operator run's --output in place of operator.json)
 """
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import dpo, goodput, kopf_path, operator, pace, recipes, scale, trainer
+from bench import data, dpo, goodput, kopf_path, operator, pace, recipes, scale, trainer
 from bench.operator_report import operator_report, p50_p99, seconds, split_phase
 
 
@@ -96,6 +97,9 @@ def report(operator_results: Path = operator.RESULTS) -> None:
         print()
         print("\n".join(goodput.report(results)))
         goodput.plot(results)
+    if data.RESULTS.exists():
+        print()
+        print("\n".join(data.report(json.loads(data.RESULTS.read_text()))))
     if scale.RESULTS.exists():
         results = json.loads(scale.RESULTS.read_text())
         print()
@@ -108,9 +112,10 @@ def main(argv: list[str]) -> None:
     if part in ("-h", "--help", "help"):
         print(__doc__)
         return
-    if part not in ("all", "kopf-path", "operator", "pace", "trainer", "goodput", "scale", "report"):
+    if part not in ("all", "kopf-path", "operator", "pace", "trainer", "goodput", "scale", "data", "report"):
         raise SystemExit(
-            f"unknown benchmark {part!r}: kopf-path, operator, pace, trainer, goodput, scale or report (none: all)"
+            f"unknown benchmark {part!r}: kopf-path, operator, pace, trainer, goodput, scale, data or report "
+            "(none: all)"
         )
     if part == "pace":  # a comparison of the operator's settings, not part of `all`
         pace.cli(rest)
@@ -126,6 +131,8 @@ def main(argv: list[str]) -> None:
         goodput.main(**vars(goodput.parser().parse_args(rest if part == "goodput" else [])))
     if part in ("all", "scale"):
         scale.cli(rest if part == "scale" else [])
+    if part in ("all", "data"):
+        data.cli(rest if part == "data" else [])
     report(operator_results)
 
 

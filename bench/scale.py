@@ -1,5 +1,5 @@
 """Sharded checkpoints, sliced loading and the streamed export at three model sizes (issue 38, item 8):
-`python -m bench scale [--sizes 40M 170M 340M] [--compare-ref REF]`, part of `make bench`.
+`python -m bench scale [--sizes 46M 168M 340M] [--compare-ref REF]`, part of `make bench`.
 
 Three Llama-style models built here (nothing downloaded; float32, untied embeddings, vocab 32000):
 46M (hidden 512, 4 layers), 168M (hidden 1024, 8 layers: the issue's model) and 340M (hidden 1280,
@@ -11,7 +11,9 @@ process-global; the machine has two cores):
 1. plain: no saveSteps. Peak RSS (the process, and the trainer's `train` part), the median step.
 2. periodic: saveSteps 2 (the saves at steps 2, 4 and 6 write in the background, the last step's is
    synchronous). Peak RSS against plain's; for each periodic save, the seconds training waited for it
-   (`blocked_seconds`: the staging copy) against the median step, and its write seconds.
+   (`blocked_seconds`: the staging copy) against the median step, apart from them its wait for the
+   device to finish the steps dispatched ahead (`device_wait_seconds`: the device computes meanwhile,
+   so it is not lost), and its write seconds.
 3. SIGTERM, saveSteps 2: (a) `sigterm_in_save`: the trainer signals itself as checkpoint-4's
    background write begins (TPUFT_FAULT_SIGTERM_IN_SAVE_AT_STEP=4): it must finish that save and exit
    75 without another one; (b) `sigterm_between_saves`: the harness sends SIGTERM a third of a step
@@ -26,8 +28,8 @@ Measured by the harness for any trainer version: the child's peak RSS (`peak_rss
 ru_maxrss, the harness's samples of VmRSS every 0.25 s, and the trainer's own per-part peaks), wall
 times, the exit status, an RSS timeline (VmRSS, RssAnon, RssFile), and the CPU the rest of the
 machine used meanwhile (a run is re-run when others took more than DISTURBED of it). From the
-trainer's `<output>/tpuft-metrics.json`: `peak_rss` by the end of each part (VmHWM; the trainer of
-768b6be reset it between parts),
+trainer's `<output>/tpuft-metrics.json`: `peak_rss` of each part (VmHWM reset between parts, as the
+trainer of 768b6be did; the trainers between them reported the peak so far at the end of each part),
 `step_seconds`, `compiles_after_step`, `attempt.checkpoints`, `stopped`, `model_load`, `export`.
 
 Against what: issue 38's targets on the 168M model (TARGET_*), and with `--compare-ref REF` the same
@@ -77,11 +79,11 @@ BETWEEN_STEP = 4  # 3(b): SIGTERM during the step after this one, once its save 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments
 STAGED_BYTES_PER_PARAM = 12  # what a checkpoint holds: the weights and both moments
 SIZES: dict[str, dict[str, Any]] = {
-    "40M": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8),
-    "170M": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16),
+    "46M": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8),
+    "168M": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16),
     "340M": dict(hidden_size=1280, num_hidden_layers=13, intermediate_size=3456, num_attention_heads=20),
 }
-TARGET_SIZE = "170M"
+TARGET_SIZE = "168M"
 TARGET_BLOCKED_TO_STEP = 0.25  # a periodic save blocks at most this share of a median step
 TARGET_PERIODIC_RSS = 1.15  # peak RSS with periodic checkpoints, as a multiple of without
 TARGET_PLAIN_RSS_TO_STATE = 2.0  # peak RSS without checkpoints, as a multiple of the training state
@@ -105,6 +107,10 @@ _FAULT = re.compile(r"fault injection: SIGTERM while checkpoint-(\d+)")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _COMPLETE = ".tpuft-complete"  # both formats mark a complete checkpoint so
 _SAVES = tuple(range(SAVE_STEPS, STEPS, SAVE_STEPS))  # the periodic saves (the last step's is not one)
+# Where a save's blocked time is the trainer's own but also counts the wait for the device (a trainer
+# before issue 46 timed the two as one): an upper bound of the staging copy.
+DEVICE_WAIT_INCLUDED = "trainer, device wait included"
+SPLIT_NOT_MEASURED = "device wait and staging not yet measured apart"
 
 
 # ---- the figures (pure functions) ---------------------------------------------------------------------
@@ -197,7 +203,11 @@ def periodic_saves(run: dict[str, Any], plain_median: float | None = None) -> li
     after the warm-up and without the steps that included a save), and its write seconds.
     What it waited for: the trainer's `blocked_seconds` where it says (the staging copy); else (an
     earlier trainer, whose saves blocked) the gap the save left in the step times, or for a save in
-    the warm-up, whose next step also compiles, the trainer's own seconds of that synchronous save."""
+    the warm-up, whose next step also compiles, the trainer's own seconds of that synchronous save.
+    Apart from it, the trainer's `device_wait_seconds` (the device finishing the steps the loop had
+    dispatched before the save: computed meanwhile, not lost) and `staging_seconds` (the copy alone);
+    None where the trainer did not time them apart (before issue 46 its `blocked_seconds` counted the
+    device wait too: `blocked_from` says so)."""
     metrics = _metrics(run)
     steps = metrics.get("step_seconds") or []
     saves = list(_SAVES)
@@ -209,7 +219,10 @@ def periodic_saves(run: dict[str, Any], plain_median: float | None = None) -> li
     for step in saves:
         save = recorded.get(step, {})
         blocked, source = save.get("blocked_seconds"), "trainer"
-        if blocked is None and step in gaps:
+        device_wait = save.get("device_wait_seconds")
+        if blocked is not None and device_wait is None:
+            source = DEVICE_WAIT_INCLUDED
+        elif blocked is None and step in gaps:
             blocked, source = gaps[step], "step gap"
         elif blocked is None and save.get("seconds") is not None:
             blocked, source = save["seconds"], "synchronous save seconds"
@@ -218,12 +231,15 @@ def periodic_saves(run: dict[str, Any], plain_median: float | None = None) -> li
                 "step": step,
                 "blocked_seconds": blocked,
                 "blocked_from": source if blocked is not None else None,
+                "device_wait_seconds": device_wait,
+                "staging_seconds": save.get("staging_seconds"),
                 "gap_seconds": gaps.get(step),
                 "write_seconds": save.get("write_seconds"),
                 "save_seconds": save.get("seconds"),
                 "median_step_seconds": _round(median),
                 "median_step_of": "plain" if plain_median else "periodic",
                 "blocked_to_median_step": _ratio(blocked, median),
+                "device_wait_to_median_step": _ratio(device_wait, median),
             }
         )
     return out
@@ -370,203 +386,279 @@ def verdicts(
     """Issue 38's targets against one size's figures (TARGET_SIZE's); where one is not met, what limits
     it, in this benchmark's numbers. ``sharded``: the figures are of a trainer with sharded,
     asynchronous checkpoints (else of an earlier one: full-file checkpoints, synchronous saves)."""
-    out: list[Verdict] = []
-    params, state = figures["params"], figures["training_state_bytes"]
-    staged_gb = STAGED_BYTES_PER_PARAM * params / GB
-    plain, periodic = figures.get("plain") or {}, figures.get("periodic") or {}
+    return [
+        blocked_verdict(figures, sharded=sharded),
+        *periodic_rss_verdicts(figures, sharded=sharded),
+        plain_rss_verdict(figures, fit),
+        sigterm_verdict(figures, "sigterm_in_save", sharded=sharded),
+        sigterm_verdict(figures, "sigterm_between_saves", sharded=sharded),
+        resume_verdict(figures, sharded=sharded),
+    ]
 
+
+def _staged_gb(figures: dict[str, Any]) -> float:
+    """What a checkpoint of this size holds (GB): the weights and both AdamW moments."""
+    return STAGED_BYTES_PER_PARAM * figures["params"] / GB
+
+
+# -- a periodic save against the median step
+
+
+def blocked_verdict(figures: dict[str, Any], *, sharded: bool) -> Verdict:
+    """The worst periodic save's blocked time against the median step."""
+    target = f"<= {TARGET_BLOCKED_TO_STEP} x median step"
+    periodic = figures.get("periodic") or {}
     saves = periodic.get("saves") or []
     ratios = [s["blocked_to_median_step"] for s in saves if s["blocked_to_median_step"] is not None]
-    if ratios:
-        worst = max(saves, key=lambda s: s["blocked_to_median_step"] or 0)
-        met = max(ratios) <= TARGET_BLOCKED_TO_STEP
-        rate = (
-            staged_gb / worst["blocked_seconds"]
-            if worst["blocked_seconds"] and worst["blocked_seconds"] > 0
-            else None
-        )
-        out.append(
-            Verdict(
-                "periodic save blocks training",
-                ", ".join(
-                    f"{s['blocked_seconds']:.2f} s at step {s['step']} ({s['blocked_to_median_step']:.2f}x"
-                    + ("" if s["blocked_from"] == "trainer" else f", {s['blocked_from']}")
-                    + ")"
-                    for s in saves
-                    if s["blocked_seconds"] is not None and s["blocked_to_median_step"] is not None
-                )
-                + f" of a {worst['median_step_seconds']:.2f} s median step ({worst['median_step_of']} run)"
-                + (
-                    f"; the periodic run's own steps {periodic['median_step_seconds']:.2f} s"
-                    f" ({periodic['median_step_to_plain']:.2f}x plain's"
-                    + (": each ran beside a save's background write)" if sharded else ")")
-                    if periodic.get("median_step_to_plain")
-                    else ""
-                ),
-                f"<= {TARGET_BLOCKED_TO_STEP} x median step",
-                met,
-                ""
-                if met
-                else (
-                    f"the staging copy of {staged_gb:.1f} GB (weights + both AdamW moments of all {DEVICES} CPU"
-                    " devices, held by one process)"
-                    + (f" at {rate:.1f} GB/s" if rate else "")
-                    + f" against a {worst['median_step_seconds']:.2f} s step"
-                    if sharded
-                    else "the whole save blocks: the state gathered to the host and written (model.safetensors,"
-                    " optimizer.pt) before training goes on; the first save also compiles its gathers"
-                ),
-            )
-        )
-    else:
-        out.append(
-            Verdict("periodic save blocks training", "-", f"<= {TARGET_BLOCKED_TO_STEP} x median step", None)
-        )
-
-    # The target is the process's peak; where the export is plain's peak, that hides what the saves
-    # cost training, so the training parts are judged too.
-    staging = (
-        f"the staging copy: about the {STAGED_BYTES_PER_PARAM} B/param of the weights and both AdamW moments"
-        f" ({staged_gb:.1f} GB), which one process stages for all {DEVICES} devices on PJRT CPU; on a slice of"
-        " H hosts each host stages its own shards, state / H"
-        if sharded
-        else "the full-file save: the whole state gathered to the host, and copied again as it is serialised"
-        " (model.safetensors, optimizer.pt), on every host of a slice alike"
+    if not ratios:
+        return Verdict("periodic save blocks training", "-", target, None)
+    worst = max(saves, key=lambda s: s["blocked_to_median_step"] or 0)
+    met = max(ratios) <= TARGET_BLOCKED_TO_STEP
+    return Verdict(
+        "periodic save blocks training",
+        _blocked_value(saves, worst, periodic, sharded=sharded),
+        target,
+        met,
+        "" if met else _blocked_limit(figures, worst, sharded=sharded),
     )
-    for name, key, ratio_key in (
-        ("peak RSS with periodic checkpoints / without", "peak_rss_bytes", "peak_rss_to_plain"),
-        ("  the same, training parts only", "train_peak_bytes", "train_peak_to_plain"),
-    ):
-        ratio = periodic.get(ratio_key)
-        met = ratio is not None and ratio <= TARGET_PERIODIC_RSS
-        extra = (
-            (periodic[key] - plain[key]) / params
-            if periodic.get(key) is not None and plain.get(key) is not None
-            else None
-        )
-        out.append(
-            Verdict(
-                name,
-                f"{_gb(periodic.get(key))} / {_gb(plain.get(key))} = {_x(ratio)}",
-                f"<= {TARGET_PERIODIC_RSS}x",
-                met if ratio is not None else None,
-                "" if met or ratio is None or extra is None else f"+{extra:.1f} B/param: {staging}",
-            )
-        )
 
+
+def _blocked_value(
+    saves: list[dict[str, Any]], worst: dict[str, Any], periodic: dict[str, Any], *, sharded: bool
+) -> str:
+    each = ", ".join(
+        f"{s['blocked_seconds']:.2f} s at step {s['step']} ({s['blocked_to_median_step']:.2f}x"
+        + ("" if s["blocked_from"] == "trainer" else f", {s['blocked_from']}")
+        + ")"
+        for s in saves
+        if s["blocked_seconds"] is not None and s["blocked_to_median_step"] is not None
+    )
+    value = each + f" of a {worst['median_step_seconds']:.2f} s median step ({worst['median_step_of']} run)"
+    if sharded:
+        value += _device_wait_note(saves)
+    if periodic.get("median_step_to_plain"):
+        value += (
+            f"; the periodic run's own steps {periodic['median_step_seconds']:.2f} s"
+            f" ({periodic['median_step_to_plain']:.2f}x plain's"
+            + (": each ran beside a save's background write)" if sharded else ")")
+        )
+    return value
+
+
+def _device_wait_note(saves: list[dict[str, Any]]) -> str:
+    """What the saves waited for the device before their staging (not lost: it computed meanwhile)."""
+    waits = [s["device_wait_seconds"] for s in saves if s.get("device_wait_seconds") is not None]
+    if not waits:
+        return f"; {SPLIT_NOT_MEASURED}"
+    low, high = f"{min(waits):.2f}", f"{max(waits):.2f}"
+    return (
+        f"; before its staging each waited {low if low == high else f'{low}-{high}'} s for the device to"
+        " finish the steps dispatched ahead (not lost: the device computed them)"
+    )
+
+
+def _blocked_limit(figures: dict[str, Any], worst: dict[str, Any], *, sharded: bool) -> str:
+    if not sharded:
+        return (
+            "the whole save blocks: the state gathered to the host and written (model.safetensors,"
+            " optimizer.pt) before training goes on; the first save also compiles its gathers"
+        )
+    staged_gb = _staged_gb(figures)
+    blocked = worst["blocked_seconds"]
+    rate = staged_gb / blocked if blocked and blocked > 0 else None
+    return (
+        f"the staging copy of {staged_gb:.1f} GB (weights + both AdamW moments of all {DEVICES} CPU"
+        " devices, held by one process)"
+        + (f" at {rate:.1f} GB/s" if rate else "")
+        + f" against a {worst['median_step_seconds']:.2f} s step"
+    )
+
+
+# -- peak RSS
+
+
+def _staging_cost(figures: dict[str, Any], *, sharded: bool) -> str:
+    """What a save adds to the peak RSS, in words."""
+    if not sharded:
+        return (
+            "the full-file save: the whole state gathered to the host, and copied again as it is serialised"
+            " (model.safetensors, optimizer.pt), on every host of a slice alike"
+        )
+    return (
+        f"the staging copy: about the {STAGED_BYTES_PER_PARAM} B/param of the weights and both AdamW moments"
+        f" ({_staged_gb(figures):.1f} GB), which one process stages for all {DEVICES} devices on PJRT CPU; on a"
+        " slice of H hosts each host stages its own shards, state / H"
+    )
+
+
+def periodic_rss_verdicts(figures: dict[str, Any], *, sharded: bool) -> list[Verdict]:
+    """The periodic run's peak RSS against plain's: the process's (the target's), and the training
+    parts' alone (where the export is plain's peak, the process's hides what the saves cost training)."""
+    return [
+        _periodic_rss_verdict(figures, name, key, ratio_key, sharded=sharded)
+        for name, key, ratio_key in (
+            ("peak RSS with periodic checkpoints / without", "peak_rss_bytes", "peak_rss_to_plain"),
+            ("  the same, training parts only", "train_peak_bytes", "train_peak_to_plain"),
+        )
+    ]
+
+
+def _periodic_rss_verdict(
+    figures: dict[str, Any], name: str, key: str, ratio_key: str, *, sharded: bool
+) -> Verdict:
+    plain, periodic = figures.get("plain") or {}, figures.get("periodic") or {}
+    ratio = periodic.get(ratio_key)
+    met = ratio is not None and ratio <= TARGET_PERIODIC_RSS
+    extra = (
+        (periodic[key] - plain[key]) / figures["params"]
+        if periodic.get(key) is not None and plain.get(key) is not None
+        else None
+    )
+    return Verdict(
+        name,
+        f"{_gb(periodic.get(key))} / {_gb(plain.get(key))} = {_x(ratio)}",
+        f"<= {TARGET_PERIODIC_RSS}x",
+        met if ratio is not None else None,
+        ""
+        if met or ratio is None or extra is None
+        else f"+{extra:.1f} B/param: {_staging_cost(figures, sharded=sharded)}",
+    )
+
+
+def plain_rss_verdict(figures: dict[str, Any], fit: dict[str, Any] | None) -> Verdict:
+    """The plain run's peak RSS against the training state; what it holds, from the fits over the sizes."""
+    plain, state = figures.get("plain") or {}, figures["training_state_bytes"]
     ratio = plain.get("peak_rss_to_state")
     met = ratio is not None and ratio <= TARGET_PLAIN_RSS_TO_STATE
-    runtime = ""
-    if fit and fit.get("plain"):
-        runtime = (
-            f"; over the sizes, plain's peak is {fit['plain']['intercept_gb']} GB"
-            f" + {fit['plain']['bytes_per_param']} B/param"
-        )
-        if fit.get("plain_train"):
-            runtime += (
-                f" (its training part {fit['plain_train']['intercept_gb']} GB"
-                f" + {fit['plain_train']['bytes_per_param']} B/param)"
-            )
-    out.append(
-        Verdict(
-            "peak RSS without checkpoints / training state",
-            f"{_gb(plain.get('peak_rss_bytes'))} / {_gb(state)} = {_x(ratio)}",
-            f"<= {TARGET_PLAIN_RSS_TO_STATE}x",
-            met if ratio is not None else None,
-            ""
-            if met or ratio is None
-            else (
-                "device memory is host memory on PJRT CPU: RSS holds the training state itself"
-                f" ({STATE_BYTES_PER_PARAM} B/param) plus activations, XLA's buffers and the runtime (Python, torch,"
-                f" torch_xla){runtime}"
-            ),
-        )
+    return Verdict(
+        "peak RSS without checkpoints / training state",
+        f"{_gb(plain.get('peak_rss_bytes'))} / {_gb(state)} = {_x(ratio)}",
+        f"<= {TARGET_PLAIN_RSS_TO_STATE}x",
+        met if ratio is not None else None,
+        ""
+        if met or ratio is None
+        else (
+            "device memory is host memory on PJRT CPU: RSS holds the training state itself"
+            f" ({STATE_BYTES_PER_PARAM} B/param) plus activations, XLA's buffers and the runtime (Python, torch,"
+            f" torch_xla){_runtime_share(fit)}"
+        ),
     )
 
-    for kind, label in (("sigterm_in_save", "(a) in a save"), ("sigterm_between_saves", "(b) between saves")):
-        stop = figures.get(kind) or {}
-        seconds, lost = stop.get("signal_to_exit_seconds"), stop.get("steps_lost")
-        met = (
-            stop.get("exit_code") == 75
-            and seconds is not None
-            and lost is not None
-            and seconds <= TARGET_SIGTERM_EXIT_S
-            and lost <= TARGET_STEPS_LOST
-        )
-        out.append(
-            Verdict(
-                f"SIGTERM -> exit {label}",
-                f"{_s(seconds)} s, {lost} step(s) lost, {stop.get('saves_after_signal')} save(s) after the signal,"
-                f" exit {stop.get('exit_code')}"
-                if stop
-                else "-",
-                f"<= {TARGET_SIGTERM_EXIT_S:.0f} s, <= {TARGET_STEPS_LOST} step lost",
-                met if stop else None,
-                ""
-                if met or not stop
-                else (
-                    f"exit {stop.get('exit_code')}; the signal came "
-                    + (
-                        f"as checkpoint-{stop.get('step_at_signal')} was being saved"
-                        if kind == "sigterm_in_save"
-                        else f"during step {(stop.get('step_at_signal') or 0) + 1}"
-                    )
-                    + f", the run trained to step {stop.get('trained_to')} (a step boundary is where the Trainer"
-                    " has traced a step, before XLA runs it, and Python handles a signal only once that run"
-                    f" returns), then its stop's save took {_s(stop.get('stop_save_seconds'))} s"
-                    + ("" if sharded else " (synchronous, full-file, after the periodic save it interrupted)")
-                ),
-            )
-        )
 
-    resume = figures.get("resume_export") or {}
+def _runtime_share(fit: dict[str, Any] | None) -> str:
+    if not fit or not fit.get("plain"):
+        return ""
+    share = f"; over the sizes, plain's peak is {fit['plain']['intercept_gb']} GB + {fit['plain']['bytes_per_param']} B/param"
+    if fit.get("plain_train"):
+        share += (
+            f" (its training part {fit['plain_train']['intercept_gb']} GB"
+            f" + {fit['plain_train']['bytes_per_param']} B/param)"
+        )
+    return share
+
+
+# -- SIGTERM
+
+_SIGTERM_LABELS = {"sigterm_in_save": "(a) in a save", "sigterm_between_saves": "(b) between saves"}
+
+
+def sigterm_verdict(figures: dict[str, Any], kind: str, *, sharded: bool) -> Verdict:
+    """A SIGTERM run: signal -> exit and the steps lost."""
+    stop = figures.get(kind) or {}
+    seconds, lost = stop.get("signal_to_exit_seconds"), stop.get("steps_lost")
+    met = (
+        stop.get("exit_code") == 75
+        and seconds is not None
+        and lost is not None
+        and seconds <= TARGET_SIGTERM_EXIT_S
+        and lost <= TARGET_STEPS_LOST
+    )
+    return Verdict(
+        f"SIGTERM -> exit {_SIGTERM_LABELS[kind]}",
+        f"{_s(seconds)} s, {lost} step(s) lost, {stop.get('saves_after_signal')} save(s) after the signal,"
+        f" exit {stop.get('exit_code')}"
+        if stop
+        else "-",
+        f"<= {TARGET_SIGTERM_EXIT_S:.0f} s, <= {TARGET_STEPS_LOST} step lost",
+        met if stop else None,
+        "" if met or not stop else _sigterm_limit(stop, kind, sharded=sharded),
+    )
+
+
+def _sigterm_limit(stop: dict[str, Any], kind: str, *, sharded: bool) -> str:
+    when = (
+        f"as checkpoint-{stop.get('step_at_signal')} was being saved"
+        if kind == "sigterm_in_save"
+        else f"during step {(stop.get('step_at_signal') or 0) + 1}"
+    )
+    return (
+        f"exit {stop.get('exit_code')}; the signal came {when}, the run trained to step {stop.get('trained_to')}"
+        " (a step boundary is where the Trainer has traced a step, before XLA runs it, and Python handles a"
+        f" signal only once that run returns), then its stop's save took {_s(stop.get('stop_save_seconds'))} s"
+        + ("" if sharded else " (synchronous, full-file, after the periodic save it interrupted)")
+    )
+
+
+# -- resume + export
+
+
+def resume_verdict(figures: dict[str, Any], *, sharded: bool) -> Verdict:
+    """The resume + export run's peak RSS against plain's training peak; where it is over, the part
+    that peaked and why."""
+    plain, resume = figures.get("plain") or {}, figures.get("resume_export") or {}
     ratio = resume.get("peak_rss_to_plain_train")
     met = ratio is not None and ratio <= TARGET_RESUME_RSS
-    parts = {k: v for k, v in (resume.get("peak_rss_parts") or {}).items() if k != "process"}
-    group = (resume.get("export") or {}).get("largest_group_bytes")
-    limit = ""
-    if not met and ratio is not None:
-        sampled = resume.get("phase_peaks_sampled") or {}
-        limit = (
-            "its parts: " + ", ".join(f"{k} {_gb(v)}" for k, v in parts.items())
-            if parts
-            else "its phases (sampled): " + ", ".join(f"{k} {_gb(v)}" for k, v in sampled.items())
-        )
-        if not sharded:
-            limit += (
-                "; it loads the whole model on the host (from_pretrained) and the full-file checkpoint"
-                " (optimizer.pt), and saves full-file checkpoints and the model gathered"
-            )
-        # The part in which the peak was reached: the first, in run order, at the highest value (the
-        # current trainer's parts are cumulative peaks).
-        in_order = [k for k in ("load", "train", "export") if k in parts]
-        peak_part = next((k for k in in_order if parts[k] == max(parts.values())), None)
-        periodic_peak = (figures.get("periodic") or {}).get("peak_rss_bytes")
-        if peak_part == "export" and group:
-            limit += (
-                f"; the export's largest gather group is {_gb(group)}: gathered on the devices (host memory"
-                " on PJRT CPU), copied to a host tensor and serialised, on top of the training state the"
-                " process still holds"
-            )
-        elif peak_part == "train":
-            limit += (
-                f"; the peak is in its training, which saves every {SAVE_STEPS} steps as the periodic run"
-                f" does (peak {_gb(periodic_peak)}; resume + export / periodic"
-                f" {_x(_ratio(resume.get('peak_rss_bytes'), periodic_peak))}): the saves' staging copy,"
-                " not the resume or the export"
-            )
-    out.append(
-        Verdict(
-            "resume + export peak RSS / training peak (plain's)",
-            f"{_gb(resume.get('peak_rss_bytes'))} / {_gb(plain.get('train_peak_bytes'))} = {_x(ratio)}"
-            f" (against plain's whole process, {_gb(plain.get('peak_rss_bytes'))}:"
-            f" {_x(resume.get('peak_rss_to_plain'))})",
-            f"<= {TARGET_RESUME_RSS}x",
-            met if ratio is not None else None,
-            limit,
-        )
+    return Verdict(
+        "resume + export peak RSS / training peak (plain's)",
+        f"{_gb(resume.get('peak_rss_bytes'))} / {_gb(plain.get('train_peak_bytes'))} = {_x(ratio)}"
+        f" (against plain's whole process, {_gb(plain.get('peak_rss_bytes'))}:"
+        f" {_x(resume.get('peak_rss_to_plain'))})",
+        f"<= {TARGET_RESUME_RSS}x",
+        met if ratio is not None else None,
+        "" if met or ratio is None else _resume_limit(figures, sharded=sharded),
     )
-    return out
+
+
+def _resume_limit(figures: dict[str, Any], *, sharded: bool) -> str:
+    resume = figures.get("resume_export") or {}
+    parts = {k: v for k, v in (resume.get("peak_rss_parts") or {}).items() if k != "process"}
+    sampled = resume.get("phase_peaks_sampled") or {}
+    limit = (
+        "its parts: " + ", ".join(f"{k} {_gb(v)}" for k, v in parts.items())
+        if parts
+        else "its phases (sampled): " + ", ".join(f"{k} {_gb(v)}" for k, v in sampled.items())
+    )
+    if not sharded:
+        limit += (
+            "; it loads the whole model on the host (from_pretrained) and the full-file checkpoint"
+            " (optimizer.pt), and saves full-file checkpoints and the model gathered"
+        )
+    return limit + _resume_peak_part(figures, parts)
+
+
+def _resume_peak_part(figures: dict[str, Any], parts: dict[str, int]) -> str:
+    """Why the part in which the resume's peak was reached peaked: the first, in run order, at the
+    highest value (some trainers' parts were cumulative peaks: the first at the highest is where it
+    was reached)."""
+    resume = figures.get("resume_export") or {}
+    in_order = [k for k in ("load", "train", "export") if k in parts]
+    peak_part = next((k for k in in_order if parts[k] == max(parts.values())), None)
+    group = (resume.get("export") or {}).get("largest_group_bytes")
+    if peak_part == "export" and group:
+        return (
+            f"; the export's largest gather group is {_gb(group)}: gathered on the devices (host memory"
+            " on PJRT CPU), copied to a host tensor and serialised, on top of the training state the"
+            " process still holds"
+        )
+    if peak_part == "train":
+        periodic_peak = (figures.get("periodic") or {}).get("peak_rss_bytes")
+        return (
+            f"; the peak is in its training, which saves every {SAVE_STEPS} steps as the periodic run"
+            f" does (peak {_gb(periodic_peak)}; resume + export / periodic"
+            f" {_x(_ratio(resume.get('peak_rss_bytes'), periodic_peak))}): the saves' staging copy,"
+            " not the resume or the export"
+        )
+    return ""
 
 
 def _gb(value: float | None) -> str:
@@ -1275,7 +1367,7 @@ def _table(label: str, sizes: dict[str, Any]) -> list[str]:
     lines = [
         f"  {label}:",
         f"  {'size':>5} {'params':>7} {'state':>6} {'plain':>6} {'train':>6} {'periodic':>8} {'x':>5}"
-        f" {'step s':>6} {'blocked s (x step)':>22} {'write s':>10} {'TERM a s/lost/saves':>20}"
+        f" {'step s':>6} {'blocked s (x step)':>22} {'device wait s':>15} {'write s':>10} {'TERM a s/lost/saves':>20}"
         f" {'TERM b s/lost/saves':>20} {'resume':>7} {'x':>5} {'load/startup s':>14}",
     ]
     for size, entry in sizes.items():
@@ -1288,6 +1380,12 @@ def _table(label: str, sizes: dict[str, Any]) -> list[str]:
             if s["blocked_seconds"] is not None and s["blocked_to_median_step"] is not None
         )
         writes = " ".join(f"{s['write_seconds']:.1f}" for s in saves if s["write_seconds"] is not None) or "-"
+        device_waits = (
+            " ".join(
+                f"{s['device_wait_seconds']:.1f}" for s in saves if s.get("device_wait_seconds") is not None
+            )
+            or "-"
+        )
 
         def stop(kind: str, f: dict[str, Any] = f) -> str:
             s = f.get(kind)
@@ -1305,7 +1403,7 @@ def _table(label: str, sizes: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {size:>5} {f['params'] / 1e6:>6.0f}M {f['training_state_bytes'] / GB:>6.2f} {rss(plain):>6}"
             f" {_gb(train).replace(' GB', ''):>6} {rss(periodic):>8} {_x(periodic.get('peak_rss_to_plain')).rstrip('x'):>5}"
-            f" {_s3(plain.get('median_step_seconds')):>6} {blocked or '-':>22} {writes:>10}"
+            f" {_s3(plain.get('median_step_seconds')):>6} {blocked or '-':>22} {device_waits:>15} {writes:>10}"
             f" {stop('sigterm_in_save'):>20} {stop('sigterm_between_saves'):>20} {rss(resume):>7}"
             f" {_x(resume.get('peak_rss_to_plain')).rstrip('x'):>5}"
             f" {_s(resume.get('model_load_seconds')) + '/' + _s(resume.get('startup_seconds')):>14}"
@@ -1348,39 +1446,65 @@ def report(results: dict[str, Any]) -> list[str]:
 
 
 def plot(results: dict[str, Any], path: Path = PNG) -> Path:
+    """scale.png: four panels (peak RSS over the sizes, what a periodic save blocks, SIGTERM -> exit,
+    the RSS timeline of one size), the current trainer in solid lines, an earlier one dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sides = [("current", results.get("sizes") or {}, "-")]
+    sides = _plot_sides(results)
+    fig, ((rss_ax, blocked_ax), (term_ax, line_ax)) = plt.subplots(2, 2, figsize=(13, 9))
+    _plot_peak_rss(rss_ax, sides)
+    _plot_saves(blocked_ax, sides)
+    _plot_sigterm(term_ax, sides)
+    _plot_rss_timeline(line_ax, sides)
+    fig.suptitle(
+        f"tpuft train at three sizes on {DEVICES} PJRT CPU devices ({results.get('when', '')})", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+_Side = tuple[str, dict[str, Any], str]  # (label, sizes, line style)
+
+
+def _plot_sides(results: dict[str, Any]) -> list[_Side]:
+    """The current trainer (solid lines), and the earlier one where it ran (dashed)."""
+    sides: list[_Side] = [("current", results.get("sizes") or {}, "-")]
     ref = results.get("compare_ref")
     if ref and ref.get("sizes"):
         sides.append((ref["ref"], ref["sizes"], "--"))
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    (rss_ax, blocked_ax), (term_ax, line_ax) = axes
+    return sides
 
-    def xs(sizes: dict[str, Any]) -> list[float]:
-        return [s["figures"]["params"] / 1e6 for s in sizes.values()]
 
-    if sides[0][1]:
-        millions = xs(sides[0][1])
+def _millions(size: dict[str, Any]) -> float:
+    return float(size["figures"]["params"]) / 1e6
+
+
+def _plot_peak_rss(ax: Any, sides: list[_Side]) -> None:
+    """Each run's peak RSS over the sizes, against the training state and the 2x target."""
+    current = sides[0][1]
+    if current:
+        millions = [_millions(s) for s in current.values()]
         state = [m * 1e6 * STATE_BYTES_PER_PARAM / GB for m in millions]
-        rss_ax.plot(millions, state, "k-", lw=1, label="training state (16 B/param)")
-        rss_ax.plot(
+        ax.plot(millions, state, "k-", lw=1, label="training state (16 B/param)")
+        ax.plot(
             millions, [TARGET_PLAIN_RSS_TO_STATE * s for s in state], "k:", lw=1, label="2 x state (target)"
         )
     colors = {"plain": "tab:blue", "periodic": "tab:orange", "resume_export": "tab:green"}
     for label, sizes, style in sides:
         for kind, color in colors.items():
             points = [
-                (s["figures"]["params"] / 1e6, f["peak_rss_bytes"] / GB, f["exit_code"])
+                (_millions(s), f["peak_rss_bytes"] / GB, f["exit_code"])
                 for s in sizes.values()
                 if (f := s["figures"].get(kind)) and f.get("peak_rss_bytes")
             ]
             if not points:
                 continue
-            rss_ax.plot(
+            ax.plot(
                 [p[0] for p in points],
                 [p[1] for p in points],
                 style,
@@ -1390,30 +1514,38 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
             )
             for x, y, code in points:
                 if code != EXPECTED_EXIT[kind]:
-                    rss_ax.annotate(f"exit {code}", (x, y), fontsize=7, color=color)
-    rss_ax.set(xlabel="parameters (M)", ylabel="peak RSS (GB)", title="peak RSS of the process")
-    rss_ax.legend(fontsize=7)
+                    ax.annotate(f"exit {code}", (x, y), fontsize=7, color=color)
+    ax.set(xlabel="parameters (M)", ylabel="peak RSS (GB)", title="peak RSS of the process")
+    ax.legend(fontsize=7)
 
+
+def _plot_saves(ax: Any, sides: list[_Side]) -> None:
+    """Each periodic save's blocked seconds over the sizes, against the median step and the target;
+    apart from them, its wait for the device (not lost), where the trainer timed it."""
     for label, sizes, style in sides:
         marker = "o" if style == "-" else "s"
-        steps = []
+        waited = False
         for s in sizes.values():
-            f = s["figures"]
-            for save in (f.get("periodic") or {}).get("saves") or []:
+            for save in (s["figures"].get("periodic") or {}).get("saves") or []:
                 if save["blocked_seconds"] is not None:
-                    blocked_ax.plot(
-                        f["params"] / 1e6,
-                        max(save["blocked_seconds"], 1e-3),
+                    ax.plot(
+                        _millions(s), max(save["blocked_seconds"], 1e-3), marker, color="tab:red", alpha=0.7
+                    )
+                if save.get("device_wait_seconds") is not None:
+                    waited = True
+                    ax.plot(
+                        _millions(s),
+                        max(save["device_wait_seconds"], 1e-3),
                         marker,
-                        color="tab:red",
+                        color="tab:olive",
                         alpha=0.7,
                     )
-            median = ((f.get("periodic") or {}).get("saves") or [{}])[0].get("median_step_seconds")
-            if median:
-                steps.append((f["params"] / 1e6, median))
-        blocked_ax.plot([], [], marker, color="tab:red", label=f"blocked per periodic save ({label})")
+        ax.plot([], [], marker, color="tab:red", label=f"blocked per periodic save ({label})")
+        if waited:
+            ax.plot([], [], marker, color="tab:olive", label=f"its wait for the device, not lost ({label})")
+        steps = _median_steps(sizes)
         if steps:
-            blocked_ax.plot(
+            ax.plot(
                 [p for p, _ in steps],
                 [m for _, m in steps],
                 style,
@@ -1421,7 +1553,7 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
                 color="tab:gray",
                 label=f"median step ({label})",
             )
-            blocked_ax.plot(
+            ax.plot(
                 [p for p, _ in steps],
                 [TARGET_BLOCKED_TO_STEP * m for _, m in steps],
                 style,
@@ -1430,15 +1562,26 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
                 alpha=0.5,
                 label=f"{TARGET_BLOCKED_TO_STEP} x median step ({label})",
             )
-    blocked_ax.set(
-        xlabel="parameters (M)", ylabel="seconds", yscale="log", title="what a periodic save blocks"
-    )
-    blocked_ax.legend(fontsize=7)
+    ax.set(xlabel="parameters (M)", ylabel="seconds", yscale="log", title="what a periodic save blocks")
+    ax.legend(fontsize=7)
 
+
+def _median_steps(sizes: dict[str, Any]) -> list[tuple[float, float]]:
+    """(parameters in millions, the median step its periodic saves were judged against) per size."""
+    steps = []
+    for s in sizes.values():
+        median = ((s["figures"].get("periodic") or {}).get("saves") or [{}])[0].get("median_step_seconds")
+        if median:
+            steps.append((_millions(s), median))
+    return steps
+
+
+def _plot_sigterm(ax: Any, sides: list[_Side]) -> None:
+    """Signal -> exit of both SIGTERM runs over the sizes; a run that died is marked at 0."""
     for label, sizes, style in sides:
         for kind, color in (("sigterm_in_save", "tab:purple"), ("sigterm_between_saves", "tab:brown")):
             exits = [
-                (s["figures"]["params"] / 1e6, f["signal_to_exit_seconds"])
+                (_millions(s), f["signal_to_exit_seconds"])
                 for s in sizes.values()
                 if (f := s["figures"].get(kind))
                 and f.get("signal_to_exit_seconds") is not None
@@ -1447,11 +1590,12 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
             for s in sizes.values():  # a run that died (an earlier trainer, OOM-killed) is marked
                 f = s["figures"].get(kind) or {}
                 if f and f.get("exit_code") != EXPECTED_EXIT[kind]:
-                    x = s["figures"]["params"] / 1e6
-                    term_ax.plot(x, 0, "x", color=color, ms=9)
-                    term_ax.annotate(f"exit {f.get('exit_code')} ({label})", (x, 0), fontsize=7, color=color)
+                    ax.plot(_millions(s), 0, "x", color=color, ms=9)
+                    ax.annotate(
+                        f"exit {f.get('exit_code')} ({label})", (_millions(s), 0), fontsize=7, color=color
+                    )
             if exits:
-                term_ax.plot(
+                ax.plot(
                     [p for p, _ in exits],
                     [v for _, v in exits],
                     style,
@@ -1459,18 +1603,23 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
                     color=color,
                     label=f"{kind} ({label})",
                 )
-    term_ax.axhline(TARGET_SIGTERM_EXIT_S, color="k", ls=":", lw=1, label="target")
-    term_ax.set(xlabel="parameters (M)", ylabel="seconds", title="SIGTERM -> process exit")
-    term_ax.legend(fontsize=7)
+    ax.axhline(TARGET_SIGTERM_EXIT_S, color="k", ls=":", lw=1, label="target")
+    ax.set(xlabel="parameters (M)", ylabel="seconds", title="SIGTERM -> process exit")
+    ax.legend(fontsize=7)
 
-    shown = TARGET_SIZE if TARGET_SIZE in sides[0][1] else next(reversed(sides[0][1]), TARGET_SIZE)
+
+def _plot_rss_timeline(ax: Any, sides: list[_Side]) -> None:
+    """The RSS over time of the plain and periodic runs of one size (TARGET_SIZE where it ran), with
+    the periodic run's data-ready and step ends."""
+    current = sides[0][1]
+    shown = TARGET_SIZE if TARGET_SIZE in current else next(reversed(current), TARGET_SIZE)
     for label, sizes, style in sides:
         for kind, color in (("plain", "tab:blue"), ("periodic", "tab:orange")):
             run = ((sizes.get(shown) or {}).get("runs") or {}).get(kind) or {}
             timeline = run.get("rss_timeline") or []
             if not timeline:
                 continue
-            line_ax.plot(
+            ax.plot(
                 [t[0] for t in timeline],
                 [t[1] / 1e3 for t in timeline],
                 style,
@@ -1479,21 +1628,14 @@ def plot(results: dict[str, Any], path: Path = PNG) -> Path:
             )
             for t, what in run.get("events") or []:
                 if kind == "periodic" and (what.startswith("step") or what == "data ready"):
-                    line_ax.axvline(t, color=color, lw=0.4, ls=style, alpha=0.6)
-    line_ax.set(
+                    ax.axvline(t, color=color, lw=0.4, ls=style, alpha=0.6)
+    ax.set(
         xlabel="seconds since start",
         ylabel="RSS (GB)",
         title=f"{shown}: RSS over time (lines: the periodic run's data ready, each step)",
     )
-    if line_ax.get_legend_handles_labels()[0]:
-        line_ax.legend(fontsize=7)
-    fig.suptitle(
-        f"tpuft train at three sizes on {DEVICES} PJRT CPU devices ({results.get('when', '')})", fontsize=10
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -66,6 +66,7 @@ from typing import Any
 
 from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS, SPOT_GRACE_SECONDS, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import SliceShape, resolve
+from tpuft_operator.trainer_stack import trainer_stack_caveat
 
 GIB = 1024**3
 HEADROOM = 0.10  # fraction of HBM left for XLA workspace, fragmentation and the runtime
@@ -578,10 +579,19 @@ STOP_WRITE_BYTES_PER_SECOND = 400 * 1024**2
 SPOT_LOSS_BOUND_SECONDS = 600
 
 
+def pods_grace_seconds(spec: TPUFineTuneSpec, default: int = DEFAULT_GRACE_SECONDS) -> int:
+    """The pods' termination grace period: spec.terminationGracePeriodSeconds, else the operator's
+    ``default``. The one reading of the field, for the JobSet's pods and for the trainer's stop alike:
+    a value given is kept as given (a 0 too, were the API ever to allow it), only a missing one
+    takes the default."""
+    given = spec.termination_grace_period_seconds
+    return given if given is not None else default
+
+
 def stop_grace_seconds(spec: TPUFineTuneSpec, default: int = DEFAULT_GRACE_SECONDS) -> int:
     """The time the pods get after SIGTERM on the stop that gives least: terminationGracePeriodSeconds
     (else the operator's ``default``), or a Spot reclaim's when shorter (GKE gives ordinary pods ~15 s)."""
-    grace = spec.termination_grace_period_seconds or default
+    grace = pods_grace_seconds(spec, default)
     if spec.tpu.spot:
         grace = min(grace, spec.tpu.spot_grace_period_seconds or SPOT_GRACE_SECONDS)
     return grace
@@ -952,6 +962,11 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         f"  mesh        fsdp={fsdp} tensor={tensor} data={data} within a slice (ICI); dcn={dcn} across slices",
         f"  HBM         {fam.hbm_gib_per_chip} GiB per chip",
         f"  host RAM    {shape.host_ram_gib} GiB per host ({shape.machine_type})",
+    ]
+    caveat = trainer_stack_caveat(ft.spec.model_dump(by_alias=True))
+    if caveat:  # what the operator says in condition TrainerStackVerified; not a reason to exit 1
+        rows.append(f"WARNING: {caveat}.")
+    rows += [
         "",
         f"Model {ft.spec.model.name}: {_count(p.model.params)} parameters",
         f"  source      {p.model.source}",

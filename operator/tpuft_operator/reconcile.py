@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from tpuft_operator import maintenance, metrics, preparing, queueing
+from tpuft_operator import maintenance, metrics, preparing, queueing, trainer_stack
 from tpuft_operator.api.models import Phase, TPUFineTune
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse_run
@@ -964,6 +964,9 @@ def _say_created(
         if rendered.spot_stop_warning:  # once, with the run's start: what a reclaim will cost
             log.warning("%s", rendered.spot_stop_warning)
             event("Warning", "SpotStopTooShort", rendered.spot_stop_warning)
+        if rendered.trainer_stack_caveat:  # once, with the run's start; the condition stays in status
+            log.warning("%s", rendered.trainer_stack_caveat)
+            event("Warning", trainer_stack.EVENT_REASON, rendered.trainer_stack_caveat)
     else:
         log.info("adopted existing JobSet %s", name)
 

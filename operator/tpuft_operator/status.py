@@ -23,8 +23,9 @@ hand next to a running JobSet is derived again from what is observed.
 Beside the phase, three warnings: MaintenanceScheduled (GKE announced maintenance of a node the run's
 pods run on, maintenance.py), CheckpointSlow (a save took more than half the pods' grace period in
 all, so a stop's save, which is synchronous, may be cut off) and CheckpointSkipped (the current
-attempt found checkpoints it could not resume from: incomplete, a shard missing or truncated); and
-status.goodput (goodput.py).
+attempt found checkpoints it could not resume from: incomplete, a shard missing or truncated);
+TrainerStackVerified=False from the spec alone, for a TPU the trainer's stack is unverified on
+(trainer_stack.py); and status.goodput (goodput.py).
 
 It reads only its input, so a restarted operator derives the same status from the same cluster,
 and it never writes `status.progress` (the trainer owns that field).
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from tpuft_operator import goodput, maintenance, preparing, queueing
+from tpuft_operator import goodput, maintenance, preparing, queueing, trainer_stack
 from tpuft_operator.api.models import TERMINAL_PHASES, Phase
 from tpuft_operator.preparing import DATA_PREPARED, PrepareSeen, Stage
 from tpuft_trainer.exit_codes import ExitCode, is_user_error
@@ -430,6 +431,31 @@ def _resumed(step: Any) -> str:
     return "resumed from an older checkpoint"
 
 
+def _save_parts(save: Obj) -> str:
+    """ " (the parts of a save)" for condition CheckpointSlow's message, from what the trainer reported:
+    the device wait, the staging copy and the write (an earlier trainer reported the first two as
+    one, blockedSeconds), or nothing."""
+
+    def number(key: str) -> float | None:
+        value = save.get(key)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    device, staging, write = number("deviceWaitSeconds"), number("stagingSeconds"), number("writeSeconds")
+    blocked = number("blockedSeconds")
+    if device is not None and staging is not None and write is not None:
+        return (
+            f" ({_seconds(device)} s for the device to finish the steps dispatched before it,"
+            f" {_seconds(staging)} s copying to host memory, {_seconds(write)} s writing)"
+        )
+    if blocked is not None and write is not None:
+        return f" ({_seconds(blocked)} s copying to host memory, {_seconds(write)} s writing)"
+    return ""
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
 def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
     """MaintenanceScheduled, CheckpointSlow and CheckpointSkipped: True while they hold; False once
     they stop holding (only if they were True: a run that never had maintenance carries no such
@@ -455,16 +481,12 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
         wanted["ReplicaFailure"] = ("False", "PodsCreated", "the apiserver accepts the run's pods")
     progress = previous.get("progress") or {}
     save = progress.get("lastCheckpoint") or {}
-    # The whole save (blocked + write), not just what training waited for: a periodic save writes in
-    # the background, but a stop's save is synchronous and takes all of it within the grace period.
+    # The whole save, not just what it cost training: a periodic save writes in the background and
+    # waits for the device to finish its dispatched steps while the device computes them, but a
+    # stop's save is synchronous and takes all of it (the device wait too) within the grace period.
     seconds, grace = save.get("seconds"), save.get("graceSeconds")
     if isinstance(seconds, (int, float)) and isinstance(grace, (int, float)) and grace > 0:
-        blocked, write = save.get("blockedSeconds"), save.get("writeSeconds")
-        split = (
-            f" ({blocked:.0f} s copying to host memory, {write:.0f} s writing)"
-            if isinstance(blocked, (int, float)) and isinstance(write, (int, float))
-            else ""
-        )
+        split = _save_parts(save)
         tpu = (obs.finetune.get("spec") or {}).get("tpu") or {}
         if seconds > grace / 2 and tpu.get("spot"):
             save_steps = ((obs.finetune.get("spec") or {}).get("training") or {}).get("saveSteps")
@@ -551,6 +573,8 @@ def derive_status(obs: Observed) -> dict[str, Any]:
     derived = _derive_phase(obs)
     if derived.reason != "Finished":  # a finished run's conditions stay as they were
         derived.conditions.update(_warnings(obs, previous))
+        # Derived from the spec alone (trainer_stack.py): TrainerStackVerified=False on tpu7x.
+        derived.conditions.update(trainer_stack.condition(obs.finetune.get("spec") or {}))
     jobset_status: Obj = (obs.jobset or {}).get("status") or {}
     status: dict[str, Any] = {
         "phase": derived.phase,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from tpuft_operator.topology import FAMILIES, host_sizes_for, parse_topology, valid_shapes
+from tpuft_operator.trainer_stack import CONDITION, EVENT_REASON, REASON_TPU7X, trainer_stack_caveat
 
 SOURCES = """Sources: Google Cloud TPU documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x;
 peak bf16 compute per chip from each page's system-architecture table, tpu7x's 2307 TFLOP/s bf16 beside 4614 FP8),
@@ -41,6 +42,11 @@ Sources:
   `pkg/cloudprovider/gke/machinetypes/`) gives the same for v4 and v6e.
 - The one disagreement: the autoscaler's table gives tpu7x-standard-1t and -4t 248 and 992 GiB; the catalog
   takes Google's tpu7x page (960) and the Compute Engine API (240)."""
+
+
+def _sentence(text: str) -> str:
+    """The caveat as a sentence of the page (it is written to follow a colon in status and Events)."""
+    return text[:1].upper() + text[1:] + "."
 
 
 def _gib(value: int) -> str:
@@ -96,6 +102,16 @@ def topology_markdown() -> str:
         SIDE_SOURCES,
         "",
         HOST_RAM_SOURCES,
+        "",
+        "## The trainer's stack on each family",
+        "",
+        "The catalog lists every shape GKE offers; that is not a claim that the trainer runs on each. "
+        + _sentence(trainer_stack_caveat({"tpu": {"type": "tpu7x"}}) or "")
+        + " A tpu7x "
+        f"run gets condition `{CONDITION}=False` (reason `{REASON_TPU7X}`) and a Warning Event "
+        f"`{EVENT_REASON}` with those words when its JobSet is created, and `tpuft plan` prints them. "
+        "No run of this trainer on a real slice of any family is recorded yet "
+        '(docs/trainer.md, "What CPU runs prove, and what they cannot").',
         "",
         "## Shapes (smallest first)",
         "",

@@ -127,13 +127,14 @@ def test_apply_to_succeeded_with_the_rendered_jobset(
     assert reasons.index("PrepareJobCreated") <= reasons.index("JobSetCreated")
 
 
-def test_a_spot_run_whose_save_cannot_fit_a_reclaim_is_warned_at_its_start(
+def test_a_spot_run_on_ironwood_is_warned_at_its_start_of_its_save_and_its_trainer_stack(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    """Qwen2.5-7B with AdamW on Spot: each host writes ~38 GiB at a stop, far more than a reclaim's
+    """Qwen2.5-7B with AdamW on Spot: each host writes tens of GiB at a stop, far more than a reclaim's
     ~15 s allow. The operator says so with the numbers when it creates the JobSet, and the trainer is
-    told the 15 s, which its saves are measured against (condition CheckpointSlow)."""
-    spot = {"type": "v5p", "topology": "2x2x2", "spot": True}
+    told the 15 s, which its saves are measured against (condition CheckpointSlow). On tpu7x it also
+    says the trainer's stack is unverified there (an Event and a condition), and creates the JobSet."""
+    spot = {"type": "tpu7x", "topology": "2x2x2", "spot": True}
     body = finetune(
         "spot",
         namespace,
@@ -149,6 +150,18 @@ def test_a_spot_run_whose_save_cannot_fit_a_reclaim_is_warned_at_its_start(
     )
     assert message.startswith("a Spot reclaim gives the pods 15 s") and "GiB of the checkpoint" in message
     assert "up to the 100 steps since the last periodic checkpoint" in message
+    (caveat,) = wait_for(
+        lambda: [m for r, m in events(local_cluster, namespace, "spot") if r == "TrainerStackUnverified"],
+        timeout=60,
+        what="the TrainerStackUnverified Event",
+    )
+    assert caveat.startswith("the trainer's stack is unverified on tpu7x (Ironwood)")
+    stack = wait_for(
+        lambda: condition(ft_get(local_cluster, namespace, "spot"), "TrainerStackVerified"),
+        timeout=60,
+        what="condition TrainerStackVerified",
+    )
+    assert (stack["status"], stack["reason"], stack["message"]) == ("False", "UnverifiedOnTpu7x", caveat)
     jobset = get_json(local_cluster, "jobset", "spot", "-n", namespace)
     config = render_run(
         jobset_owner(body, ft_get(local_cluster, namespace, "spot")), OPERATOR_SETTINGS.render_settings()

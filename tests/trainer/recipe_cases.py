@@ -11,12 +11,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import itertools
+
 import tiny
 from spmd import finish_case
-from tpuft_trainer.packing import Document, packed_rows
 
 from tpuft_trainer import recipe
 from tpuft_trainer.config import TrainingConfig
+from tpuft_trainer.data.packing import best_fit, build_row
 from tpuft_trainer.fsdp_v2 import get_fsdp_training_args, use_fsdp_v2
 from tpuft_trainer.train import peft_lora_config
 
@@ -39,14 +41,27 @@ def _compiles() -> int:
     return int(data[0]) if data else 0
 
 
-def _documents() -> list[Document]:
+def _documents() -> list[list[int]]:
     tok = tiny.tokenizer()
     docs = []
     for i, words in enumerate(DOC_WORDS * 4):
         text = " ".join(tiny.WORDS[(i + k) % len(tiny.WORDS)] for k in range(words)) + "."
-        ids = tok(text)["input_ids"]
-        docs.append(Document(ids, list(ids)))
+        docs.append(list(tok(text)["input_ids"]))
     return docs
+
+
+def packed_rows(docs: list[list[int]], max_length: int, pad_id: int) -> dict[str, list[list[int]]]:
+    """The documents packed as the trainer packs them (data.packing), every token in the loss."""
+    import numpy as np
+
+    members, starts = best_fit(np.asarray([len(d) for d in docs]), max_length)
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "position_ids": [], "labels": []}
+    for a, b in itertools.pairwise(starts):
+        chosen = [np.asarray(docs[i]) for i in members[a:b]]
+        row = build_row(chosen, [np.ones(len(d)) for d in chosen], max_length, pad_id, packed=True)
+        for key in rows:
+            rows[key].append(row[key].tolist())
+    return rows
 
 
 def _trainer(model: Any, dataset: Any, steps: int, **settings: Any) -> Any:

@@ -18,9 +18,13 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tpuft_trainer.checkpoint import layout, state
+from tpuft_trainer.checkpoint import manager as manager_module
 from tpuft_trainer.checkpoint.backend import TorchBackend
-from tpuft_trainer.checkpoint.manager import CheckpointManager, CheckpointWriteError, quiet
-from tpuft_trainer.errors import ConfigError
+from tpuft_trainer.checkpoint.failures import CheckpointReadError, CheckpointWriteError
+from tpuft_trainer.checkpoint.manager import CheckpointManager, quiet
+from tpuft_trainer.checkpoint.resume import agree_on_resume_point
+from tpuft_trainer.errors import ConfigError, PermissionDeniedError
+from tpuft_trainer.exit_codes import ExitCode
 
 pytestmark = pytest.mark.trainer
 
@@ -116,25 +120,77 @@ def test_adafactor_state_keeps_its_float32_factors_for_bfloat16_weights(tmp_path
     assert all(torch.equal(loaded[k], factors[k]) for k in factors)
 
 
-def test_a_periodic_save_writes_what_was_staged_while_training_goes_on(tmp_path: Path) -> None:
+def test_a_periodic_save_writes_what_was_staged_while_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, optimizer = model_and_optimizer()
     train_step(model, optimizer, 1)
     manager = CheckpointManager(layout.Store(str(tmp_path)), TorchBackend())
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    original = manager_module._dcp_save
+    monkeypatch.setattr(  # slow storage: every write takes a second more
+        manager_module, "_dcp_save", lambda *args: (time.sleep(1.0), original(*args))
+    )
+    called = time.monotonic()
     save(manager, 1, model, optimizer)  # returns after the staging copy
+    returned = time.monotonic() - called
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1.0)  # the next steps change the weights in place while it writes
     records = manager.wait()
     assert [(r.step, r.reason) for r in records] == [(1, "periodic")]
     record = records[0]
-    assert record.blocked_seconds <= record.seconds and record.write_seconds <= record.seconds
+    # Training waited for the staging copy only, and the record says so; the write took its second.
+    assert returned < 0.5 and record.blocked_seconds < 0.5, (returned, record)
+    assert record.write_seconds >= 1.0, record
     written: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in at_save.items()}}
     import torch.distributed.checkpoint as dcp
 
     with quiet():
         dcp.load(written, checkpoint_id=str(tmp_path / "checkpoint-1"))
     assert all(torch.equal(written["model"][k], at_save[k]) for k in at_save)
+
+
+class DeviceRunningAhead(TorchBackend):
+    """Plain torch whose device is still computing the steps dispatched before the save (as an XLA
+    device is while the training loop runs ahead of it): waiting for it takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wait_for_device(self) -> None:
+        time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["periodic", "synchronous"])
+def test_a_save_times_the_device_wait_apart_from_the_staging_and_what_training_lost(
+    tmp_path: Path, blocking: bool
+) -> None:
+    """The wait for the device is not a cost of the save (the device computes the steps meanwhile):
+    it is reported on its own, and neither in the staging nor in what training lost (blocked)."""
+    device_seconds = 0.5
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    manager = CheckpointManager(layout.Store(str(tmp_path)), DeviceRunningAhead(device_seconds))
+    save(manager, 1, model, optimizer, blocking=blocking)
+    (record,) = manager.wait()
+    assert record.device_wait_seconds >= device_seconds
+    assert record.staging_seconds < device_seconds / 2  # a copy of a few hundred floats
+    assert record.blocked_seconds < device_seconds / 2 + (record.write_seconds if blocking else 0.0)
+    assert record.staging_seconds <= record.blocked_seconds
+    # All of it is in the save's seconds: a stop's save (synchronous) takes the device wait too.
+    parts = record.device_wait_seconds + record.blocked_seconds + (0.0 if blocking else record.write_seconds)
+    assert record.seconds == pytest.approx(parts, abs=1e-6)
+    if blocking:  # a synchronous save costs training its write as well
+        assert record.blocked_seconds >= record.staging_seconds + record.write_seconds - 1e-6
+    from tpuft_trainer.train import _save_line
+
+    line = _save_line(record)
+    assert (
+        f"training lost {record.blocked_seconds:.2f} s (the staging copy {record.staging_seconds:.2f} s"
+        in line
+    )
+    assert f"the device finished the steps dispatched ahead in {record.device_wait_seconds:.2f} s" in line
 
 
 def test_one_save_in_flight_a_new_one_waits_for_it(tmp_path: Path) -> None:
@@ -152,13 +208,12 @@ def test_one_save_in_flight_a_new_one_waits_for_it(tmp_path: Path) -> None:
 
     manager._write = slow_write  # type: ignore[method-assign]
     save(manager, 1, model, optimizer)
-    assert manager.in_flight() == 1
     started = time.monotonic()
     assert manager.in_flight_at(started) == 1
     save(manager, 2, model, optimizer)  # waits for checkpoint-1's write before staging
     assert order[:2] == ["start 1", "end 1"]
     assert [r.step for r in manager.wait()] == [1, 2]
-    assert manager.in_flight() is None and manager.in_flight_at(time.monotonic()) is None
+    assert manager.in_flight_at(time.monotonic()) is None
     assert manager.in_flight_at(started) == 1  # what a SIGTERM at that moment would have seen
     assert [layout.inspect(manager.store, f"checkpoint-{s}").resumable for s in (1, 2)] == [True, True]
 
@@ -247,63 +302,192 @@ def test_retention_deletes_only_complete_older_checkpoints(tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
     (tmp_path / "checkpoint-9").mkdir()  # a save in flight (no marker yet): never retired
     (tmp_path / "checkpoint-9" / "__0_0.distcp").write_text("partial")
-    assert layout.retire(layout.Store(str(tmp_path)), keep=1) == ["checkpoint-3"]
+    assert layout.retire(layout.Store(str(tmp_path)), keep=1, newest=4) == [
+        "removed checkpoint-3 (keepCheckpoints: 1)"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-9"]
 
 
-# ---- storage that fails --------------------------------------------------------------------------
-class FullFileSystem(MemoryFileSystem):
-    """An in-memory filesystem that refuses to store shard files once ``armed``: ENOSPC."""
+def test_a_checkpoint_unmarked_at_a_resume_is_removed_once_a_newer_one_is_complete(tmp_path: Path) -> None:
+    """clear_after unmarks a broken checkpoint newer than the resume point and keeps its files; when
+    this attempt saves other steps (here saveSteps changed from 2 to 3), nothing would ever remove them:
+    a leak on every resume of a long run. Retention removes them once a newer checkpoint is complete,
+    with or without keepCheckpoints."""
+    saved_steps(tmp_path, [2, 4])
+    (tmp_path / "checkpoint-4" / "__0_0.distcp").unlink()
+    store = layout.Store(str(tmp_path))
+    agreed = agree_on_resume_point(store, TorchBackend())
+    assert agreed.point.checkpoint is not None and agreed.point.checkpoint.step == 2
+    assert agreed.cleared == [
+        "unmarked checkpoint-4: it is not whole, and a new save of step 4 will replace it"
+    ]
+    model, optimizer = model_and_optimizer()
+    manager = CheckpointManager(store, TorchBackend())
+    save(manager, 3, model, optimizer)
+    manager.wait()
+    assert (tmp_path / "checkpoint-4").exists()  # newer than every complete checkpoint: left alone
+    save(manager, 6, model, optimizer)
+    manager.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3", "checkpoint-6"]
 
-    protocol = "fullfs"
-    armed = False
+
+# ---- storage that fails --------------------------------------------------------------------------
+class FailingFileSystem(MemoryFileSystem):
+    """An in-memory filesystem that, once ``error`` is set, raises it on opening a file whose name
+    ends with ``suffix`` for ``mode`` ("r" or "w"), ``times`` times (-1: every time)."""
+
+    protocol = "failingfs"
+    store: dict[str, Any] = {}  # its own files (MemoryFileSystem's class attributes)
+    pseudo_dirs = [""]
+    error: BaseException | None = None
+    suffix = ".distcp"
+    mode = "w"
+    times = -1
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if self.armed and "w" in mode and path.endswith(".distcp"):
-            raise OSError(errno.ENOSPC, "No space left on device", path)
+        failing = type(self)
+        armed = failing.error is not None and failing.times != 0
+        if armed and failing.mode in mode and path.endswith(failing.suffix):
+            failing.times -= 1
+            raise failing.error
         return super()._open(path, mode, **kwargs)
+
+    @classmethod
+    def reset(cls) -> None:
+        """No files, no failures."""
+        fsspec.register_implementation(cls.protocol, cls, clobber=True)
+        cls.store.clear()
+        cls.pseudo_dirs[:] = [""]
+        cls.heal()
+
+    @classmethod
+    def heal(cls) -> None:
+        cls.error, cls.suffix, cls.mode, cls.times = None, ".distcp", "w", -1
+
+    @classmethod
+    def fail(cls, error: BaseException, suffix: str, mode: str, times: int = -1) -> None:
+        cls.error, cls.suffix, cls.mode, cls.times = error, suffix, mode, times
+
+
+def http_error(code: int) -> Exception:
+    """What gcsfs raises once its own retries of a request are exhausted (gcsfs is in the trainer's
+    requirements; the classification reads only the error's ``code``)."""
+    from gcsfs.retry import HttpError
+
+    return HttpError({"code": code, "message": f"HTTP {code}"})
 
 
 def test_a_full_disk_fails_the_run_clearly_and_keeps_the_previous_checkpoint() -> None:
-    fsspec.register_implementation("fullfs", FullFileSystem, clobber=True)
-    FullFileSystem.store.clear()
-    FullFileSystem.armed = False
+    FailingFileSystem.reset()
     model, optimizer = model_and_optimizer()
     train_step(model, optimizer, 1)
-    store = layout.Store("fullfs://bucket/run")
+    store = layout.Store("failingfs://bucket/run")
     manager = CheckpointManager(store, TorchBackend(), keep=1)
     save(manager, 2, model, optimizer)
     manager.wait()
-    FullFileSystem.armed = True
+    FailingFileSystem.fail(OSError(errno.ENOSPC, "No space left on device"), ".distcp", "w")
     save(manager, 4, model, optimizer)  # the write fails in the background...
     deadline = time.monotonic() + 30
-    while manager.in_flight() is not None and time.monotonic() < deadline:
+    while manager.in_flight_at(time.monotonic()) is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(CheckpointWriteError) as failure:  # ...and the next step boundary says so
         manager.poll()
     message = str(failure.value)
-    assert "checkpoint-4 could not be written to fullfs://bucket/run/checkpoint-4" in message
+    assert "checkpoint-4 could not be written to failingfs://bucket/run/checkpoint-4" in message
     assert "No space left on device" in message and "the output's storage is full" in message
     assert "checkpoint-2 is the newest complete one and is kept" in message
     assert failure.value.exit_code == 1  # infrastructure: restarted from checkpoint-2
-    FullFileSystem.armed = False
+    FailingFileSystem.heal()
     point = layout.resume_point(store)
     assert point.checkpoint is not None and point.checkpoint.name == "checkpoint-2"
     assert not store.exists("checkpoint-4")  # its partial directory removed
 
 
-def test_checkpoints_on_a_uri_round_trip(tmp_path: Path) -> None:
-    uri = f"file://{tmp_path}/bucket/run"
+# What storage raises -> what the run raises and exits with, the same for reading and for writing.
+STORAGE_ERRORS = {
+    "exhausted 503": (lambda: http_error(503), "storage", 1),
+    "exhausted 429": (lambda: http_error(429), "storage", 1),
+    "I/O error": (lambda: OSError(errno.EIO, "Input/output error"), "storage", 1),
+    "permission": (lambda: PermissionError(errno.EACCES, "Permission denied"), "permission", 77),
+    "HTTP 403": (lambda: http_error(403), "permission", 77),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STORAGE_ERRORS))
+def test_a_write_error_is_classified_as_a_read_error_is(name: str) -> None:
+    make_error, kind, exit_code = STORAGE_ERRORS[name]
+    FailingFileSystem.reset()
+    model, optimizer = model_and_optimizer()
+    manager = CheckpointManager(layout.Store("failingfs://bucket/run"), TorchBackend())
+    train_step(model, optimizer, 1)
+
+    FailingFileSystem.fail(make_error(), ".distcp", "w")
+    with pytest.raises((CheckpointWriteError, PermissionDeniedError)) as writing:
+        save(manager, 2, model, optimizer, blocking=True)
+    assert type(writing.value) is (CheckpointWriteError if kind == "storage" else PermissionDeniedError)
+    assert writing.value.exit_code == exit_code, writing.value
+    assert "checkpoint-2 could not be written to failingfs://bucket/run/checkpoint-2" in str(writing.value)
+
+    FailingFileSystem.heal()
+    save(manager, 2, model, optimizer, blocking=True)
+    FailingFileSystem.fail(make_error(), ".distcp", "r")
+    found = layout.inspect(manager.store, "checkpoint-2")  # (reads no shard)
+    assert found.resumable, found
+    with pytest.raises((CheckpointReadError, PermissionDeniedError)) as reading:
+        restore(manager, found, *model_and_optimizer())
+    assert type(reading.value) is (CheckpointReadError if kind == "storage" else PermissionDeniedError)
+    assert reading.value.exit_code == exit_code, reading.value
+    assert "checkpoint-2 at failingfs://bucket/run/checkpoint-2 could not be read" in str(reading.value)
+
+
+def test_a_transient_error_reading_an_index_is_retried_before_anything_is_concluded() -> None:
+    FailingFileSystem.reset()
+    saved = saved_steps_at("failingfs://bucket/run", [2, 4])
+    store = saved.store
+    FailingFileSystem.fail(http_error(503), f"checkpoint-4/{layout.DCP_METADATA}", "r", times=2)
+    point = layout.resume_point(store, backoff_seconds=0.01)
+    assert point.checkpoint is not None and point.checkpoint.step == 4 and not point.skipped
+    assert FailingFileSystem.times == 0  # failed twice, read the third time
+    # Storage that stays down ends the start (restarted later), never skips a checkpoint: skipping
+    # would unmark it, though nothing is wrong with it.
+    FailingFileSystem.fail(http_error(503), f"checkpoint-4/{layout.DCP_METADATA}", "r")
+    with pytest.raises(CheckpointReadError) as down:
+        layout.resume_point(store, backoff_seconds=0.01)
+    assert down.value.exit_code == 1
+    assert f"failingfs://bucket/run/checkpoint-4/{layout.DCP_METADATA} could not be read" in str(down.value)
+    FailingFileSystem.fail(PermissionError(errno.EACCES, "Permission denied"), layout.DCP_METADATA, "r")
+    with pytest.raises(PermissionDeniedError) as refused:
+        layout.resume_point(store, backoff_seconds=0.01)
+    assert refused.value.exit_code == ExitCode.PERMISSION_DENIED
+    # An index storage returned but that is not one: that checkpoint is skipped, the one before it used.
+    FailingFileSystem.heal()
+    with store.fs.open(store.path("checkpoint-4", layout.DCP_METADATA), "wb") as f:
+        f.write(b"not a pickle")
+    point = layout.resume_point(store, backoff_seconds=0.01)
+    assert point.checkpoint is not None and point.checkpoint.step == 2
+    assert [f.name for f in point.skipped] == ["checkpoint-4"]
+    assert f"its {layout.DCP_METADATA} cannot be read" in str(point.skipped[0].problem)
+
+
+def saved_steps_at(location: str, steps: list[int]) -> CheckpointManager:
     model, optimizer = model_and_optimizer()
     train_step(model, optimizer, 1)
-    store = layout.Store(uri)
-    assert store.is_local
-    manager = CheckpointManager(layout.Store("memory://bucket/run"), TorchBackend())
+    manager = CheckpointManager(layout.Store(location), TorchBackend())
+    for step in steps:
+        save(manager, step, model, optimizer, blocking=True)
+    return manager
+
+
+def test_checkpoints_on_a_uri_round_trip(tmp_path: Path) -> None:
+    """Through fsspec (the gs:// code path: DCP's fsspec reader and writer, fetched small files)."""
+    model, optimizer = model_and_optimizer()
+    train_step(model, optimizer, 1)
+    store = layout.Store("memory://bucket/run")
+    assert not store.is_local and layout.Store(f"file://{tmp_path}").is_local
+    manager = CheckpointManager(store, TorchBackend())
     save(manager, 3, model, optimizer)
     manager.wait()
-    memory = layout.Store("memory://bucket/run")
-    assert not memory.is_local
-    found = layout.inspect(memory, "checkpoint-3")
+    found = layout.inspect(layout.Store("memory://bucket/run"), "checkpoint-3")
     assert found.resumable, found
     again, again_optimizer = model_and_optimizer()
     restore(manager, found, again, again_optimizer)
@@ -365,17 +549,12 @@ def test_a_stop_sees_the_save_that_was_writing_when_the_signal_came(tmp_path: Pa
 
 
 # ---- several processes ----------------------------------------------------------------------------
-def test_two_processes_each_write_only_what_they_hold(tmp_path: Path) -> None:
-    """Two real processes over a gloo group, as two hosts (torch_xla's CPU client cannot join
-    processes into one SPMD program, plain torch's DTensors can): each writes its own chunks of the
-    checkpoint and its share of the exported files; rank 0 marks the checkpoint once both are done."""
+def run_two_ranks(mode: str, directory: Path) -> list[Any]:
+    """Runs two_ranks.py's ``mode`` as ranks 0 and 1 of a gloo group; what each wrote."""
     import os
     import socket
     import subprocess
     import sys
-
-    import two_ranks
-    from safetensors.torch import load_file
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -386,11 +565,37 @@ def test_two_processes_each_write_only_what_they_hold(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
     }
     ranks = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env)
+        subprocess.Popen([sys.executable, str(script), mode, str(r), str(port), str(directory)], env=env)
         for r in (0, 1)
     ]
     assert [p.wait(timeout=300) for p in ranks] == [0, 0]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_every_process_resumes_from_the_checkpoint_process_zero_chose(tmp_path: Path) -> None:
+    """One host's read of the newest index fails (rank 0's once; rank 1's every time): both still
+    resume from checkpoint-4, and it keeps its marker. Before, each host chose for itself (rank 1
+    skipped checkpoint-4 for checkpoint-2: a model assembled from two steps), and rank 0 unmarked every
+    checkpoint newer than its own choice while the others loaded it."""
+    import two_ranks
+
+    for case in two_ranks.RESUME_CASES:
+        saved_steps(tmp_path / case, [2, 4])
+    results = run_two_ranks("resume", tmp_path)
+    for case in two_ranks.RESUME_CASES:
+        assert [r[case] for r in results] == [{"step": 4, "skipped": []}] * 2, (case, results)
+        store = layout.Store(str(tmp_path / case))
+        assert [layout.inspect(store, f"checkpoint-{s}").resumable for s in (2, 4)] == [True, True], case
+
+
+def test_two_processes_each_write_only_what_they_hold(tmp_path: Path) -> None:
+    """Two real processes over a gloo group, as two hosts (torch_xla's CPU client cannot join
+    processes into one SPMD program, plain torch's DTensors can): each writes its own chunks of the
+    checkpoint and its share of the exported files; rank 0 marks the checkpoint once both are done."""
+    import two_ranks
+    from safetensors.torch import load_file
+
+    results = run_two_ranks("save", tmp_path)
     assert results[0]["records"] == results[1]["records"] == [[3, "periodic"]]
     run = tmp_path / "run"
     shards = sorted(p.name for p in (run / "checkpoint-3").glob("*.distcp"))

@@ -3,14 +3,16 @@ and that every model family packing accepts really isolates documents."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tiny
 
-from tpuft_trainer import chat, data, evaluation, packing
+from tpuft_trainer import data
 from tpuft_trainer.config import DatasetSource
+from tpuft_trainer.data import chat, packing, prepare
 from tpuft_trainer.errors import DataError
 
 pytestmark = pytest.mark.trainer
@@ -23,24 +25,32 @@ def chat_source(tmp_path: Path, **fields: Any) -> DatasetSource:
     return DatasetSource(name=str(path), format="chat", **fields)
 
 
+def prepared(source: DatasetSource, tok: Any, seq: int, output: Path) -> Any:
+    return prepare.find_or_prepare(tiny.trainer_config(source, output, seq), tok)
+
+
+def loss_share(ready: Any) -> float:
+    return float(ready.manifest.splits["train"].loss_tokens / ready.manifest.positions())
+
+
 def test_assistant_only_loss_labels_exactly_the_answers(tmp_path: Path) -> None:
     tok = tiny.tokenizer()
     everything = chat_source(tmp_path, assistant_only_loss=False)
-    rows = data.load_rows(everything)
-    before = data.figures(data.tokenize(rows, tok, everything, SEQ, 8))
+    before = loss_share(prepared(everything, tok, SEQ, tmp_path / "out"))
     answers_only = chat_source(tmp_path)  # the default for chat
-    tokenized = data.tokenize(rows, tok, answers_only, SEQ, 8)
-    after = data.figures(tokenized)
+    ready = prepared(answers_only, tok, SEQ, tmp_path / "out")
+    after = loss_share(ready)
     # long questions, one-word answers: ~61% of the positions carried loss, now a few percent
-    assert 0.55 < before.loss_share < 0.68, before
-    assert 0.01 < after.loss_share < 0.05, after
-    for row, chat_row in zip(tokenized, tiny.long_question_chats(32), strict=True):
-        labelled = [t for t in row["labels"] if t != -100]
+    assert 0.55 < before < 0.68, before
+    assert 0.01 < after < 0.05, after
+    for row, chat_row in zip(ready.rows(), tiny.long_question_chats(32), strict=True):
+        labels, ids = row["labels"].tolist(), row["input_ids"].tolist()
+        labelled = [t for t in labels if t != -100]
         answer = chat_row["messages"][1]["content"]
         assert "".join(tok.convert_ids_to_tokens(labelled)) == answer + "</s>"
         # and they sit where those tokens are in the row
-        first = row["labels"].index(labelled[0])
-        assert row["input_ids"][first : first + len(labelled)] == labelled
+        first = labels.index(labelled[0])
+        assert ids[first : first + len(labelled)] == labelled
 
 
 def test_generation_markers_and_the_prefix_fallback_agree() -> None:
@@ -75,15 +85,16 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
 def test_packing_fills_rows_and_keeps_every_loss_token(tmp_path: Path) -> None:
     tok = tiny.tokenizer()
     source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "t.jsonl", n=64)))
-    rows = data.load_rows(source)
-    padded = data.tokenize(rows, tok, source, 256, 4)
-    packed = data.tokenize(rows, tok, source.model_copy(update={"packing": True}), 256, 4)
-    assert set(packed.column_names) == {"input_ids", "position_ids", "labels"}  # no attention mask
-    assert {len(r) for r in packed["input_ids"]} == {256}
-    assert len(packed) <= len(padded) / 3  # documents of ~60 tokens, four to a row
+    padded = prepared(source, tok, 256, tmp_path / "out")
+    packed = prepared(source.model_copy(update={"packing": True}), tok, 256, tmp_path / "out")
+    row = {key: value.tolist() for key, value in packed.rows()[0].items()}
+    assert set(row) == {"input_ids", "position_ids", "labels"}  # no attention mask
+    assert {len(r["input_ids"]) for r in packed.rows()} == {256}  # type: ignore[attr-defined]
+    assert len(packed.rows()) <= len(padded.rows()) / 3  # documents of ~60 tokens, four to a row
     # a document's first token is not a target in either form, so the loss covers the same tokens
-    assert data.figures(packed).loss_tokens == data.figures(padded).loss_tokens
-    row = packed[0]
+    assert packed.manifest.splits["train"].loss_tokens == padded.manifest.splits["train"].loss_tokens
+    counted = sum(sum(1 for t in r["labels"][1:] if t != -100) for r in packed.rows())  # type: ignore[attr-defined]
+    assert counted == packed.manifest.splits["train"].loss_tokens
     starts = [i for i, p in enumerate(row["position_ids"]) if p == 0]
     assert len(starts) > 2 and all(row["labels"][i] == -100 for i in starts)
     assert all(
@@ -91,25 +102,30 @@ def test_packing_fills_rows_and_keeps_every_loss_token(tmp_path: Path) -> None:
     )
 
 
-def test_best_fit_never_overfills_and_places_everything() -> None:
+def test_best_fit_never_overfills_places_everything_and_matches_the_list_version() -> None:
     import random
+
+    import numpy as np
+    from bench import legacy_data
 
     rng = random.Random(3)
     lengths = [rng.randint(1, 50) for _ in range(500)]
-    bins = packing.best_fit(lengths, 64)
+    members, starts = packing.best_fit(np.asarray(lengths), 64)
+    bins = [members[a:b].tolist() for a, b in itertools.pairwise(starts)]
     assert sorted(i for b in bins for i in b) == list(range(500))
     assert max(sum(lengths[i] for i in b) for b in bins) <= 64
     assert sum(lengths) / (64 * len(bins)) > 0.9
+    assert bins == legacy_data.best_fit(lengths, 64)  # the same rows as the trainer made before
 
 
 def test_eval_fraction_is_held_out_by_seed(tmp_path: Path) -> None:
     source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "t.jsonl", n=50)), eval_fraction=0.2)
     rows = data.load_rows(source)
-    train, held = evaluation.split(rows, source, seed=7)
-    again = evaluation.split(rows, source, seed=7)[1]
+    train, held = prepare.split_rows(rows, source, seed=7)
+    again = prepare.split_rows(rows, source, seed=7)[1]
     assert (len(train), len(held)) == (40, 10) and held["text"] == again["text"]
     assert not set(held["text"]) & set(train["text"]) or len(set(tiny.texts(50))) < 50
-    assert evaluation.split(rows, source, seed=8)[1]["text"] != held["text"]
+    assert prepare.split_rows(rows, source, seed=8)[1]["text"] != held["text"]
 
 
 def test_eval_split_of_the_same_source(tmp_path: Path) -> None:
@@ -123,13 +139,13 @@ def test_eval_split_of_the_same_source(tmp_path: Path) -> None:
         }
     ).save_to_disk(str(path))
     source = DatasetSource(name=str(path), eval_split="validation")
-    train, held = evaluation.split(data.load_rows(source), source, seed=0)
+    train, held = prepare.split_rows(data.load_rows(source), source, seed=0)
     assert (len(train), held["text"]) == (8, ["x."])
     with pytest.raises(DataError, match=r"[Ss]plit.*test"):
-        evaluation.split(data.load_rows(source), source.model_copy(update={"eval_split": "test"}), seed=0)
+        prepare.split_rows(data.load_rows(source), source.model_copy(update={"eval_split": "test"}), seed=0)
     single = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "t.jsonl", n=8)), eval_split="validation")
     with pytest.raises(DataError, match="a single file: it has one split"):
-        evaluation.split(data.load_rows(single), single, seed=0)
+        prepare.split_rows(data.load_rows(single), single, seed=0)
 
 
 def _tiny_config(model_type: str) -> Any:
@@ -221,11 +237,11 @@ def test_model_flops_count_weights_not_the_lookup() -> None:
 def test_rows_without_a_target_are_dropped_and_none_is_an_error(tmp_path: Path) -> None:
     tok = tiny.tokenizer()
     source = chat_source(tmp_path)
-    rows = data.load_rows(source)
     # 40 positions: every question is longer, so no assistant token is left in any row
     with pytest.raises(DataError, match=r"none of its 32 rows has a token to learn within 40.*maxSeqLength"):
-        data.tokenize(rows, tok, source, 40, 8)
+        prepared(source, tok, 40, tmp_path / "out")
     mixed = tiny.long_question_chats(16) + tiny.long_question_chats(16, question_words=2)
     path = tiny.write_rows(tmp_path / "mixed.jsonl", mixed)
-    kept = data.tokenize(data.load_rows(DatasetSource(name=str(path), format="chat")), tok, source, 60, 8)
-    assert len(kept) == 16  # only the short questions leave room for their answers
+    kept = prepared(DatasetSource(name=str(path), format="chat"), tok, 60, tmp_path / "out")
+    assert len(kept.rows()) == 16  # only the short questions leave room for their answers
+    assert (kept.manifest.splits["train"].documents, kept.manifest.splits["train"].dropped) == (32, 16)

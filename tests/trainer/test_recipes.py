@@ -250,8 +250,8 @@ def test_a_small_evaluation_set_works_and_its_loss_is_the_mean_over_its_tokens(p
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tpuft_trainer import data, evaluation
     from tpuft_trainer.config import TrainerConfig
+    from tpuft_trainer.data import prepare
 
     proc, config_path, output = pool.get("recipe:small-eval")
     assert proc.returncode == 0, proc.tail()
@@ -264,12 +264,14 @@ def test_a_small_evaluation_set_works_and_its_loss_is_the_mean_over_its_tokens(p
     )
     config = TrainerConfig.load(config_path)
     tokenizer = AutoTokenizer.from_pretrained(output)
-    _, held_out = evaluation.split(data.load_rows(config.dataset), config.dataset, config.training.seed)
-    rows = data.tokenize(held_out, tokenizer, config.dataset, config.training.max_seq_length, 1)
+    ready = prepare.find_or_prepare(config, tokenizer)  # the run's own prepared set: no tokenising
+    assert ready.reused
+    held_out = ready.rows("eval")
+    rows = {key: [held_out[i][key].tolist() for i in range(len(held_out))] for key in held_out[0]}
     model = AutoModelForCausalLM.from_pretrained(output, torch_dtype=torch.float32).eval()
     sums, counts = [], []
     with torch.no_grad():
-        for batch in (rows[:8], rows[8:]):
+        for batch in ({k: v[:8] for k, v in rows.items()}, {k: v[8:] for k, v in rows.items()}):
             labels = torch.tensor(batch["labels"])
             logits = model(
                 input_ids=torch.tensor(batch["input_ids"]),

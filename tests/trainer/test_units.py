@@ -7,19 +7,20 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tiny
 from click.testing import CliRunner
 from transformers.training_args import OptimizerNames
 
-from tpuft_trainer import cli, fsdp_v2
+from tpuft_trainer import cli, fsdp_v2, host_memory
 from tpuft_trainer.cli import exit_code_for
 from tpuft_trainer.config import MeshConfig, ProgressConfig, TrainerConfig, WorldConfig
 from tpuft_trainer.errors import ConfigError, DataError, NotFoundError, StoppedAfterCheckpoint, WorldError
 from tpuft_trainer.exit_codes import ExitCode
 from tpuft_trainer.mesh import plan_mesh
 from tpuft_trainer.progress import Meter, Snapshot, StatusReporter, format_duration
-from tpuft_trainer.world import check_runtime, detect_world
+from tpuft_trainer.world import check_one_feeder, check_runtime, detect_world
 
 pytestmark = pytest.mark.trainer
 
@@ -71,6 +72,28 @@ def test_runtime_mismatch_fatal_on_tpu_only() -> None:
     assert check_runtime(world, process_count=1, device_count=8, on_tpu=False)
     with pytest.raises(WorldError, match="8 devices"):
         check_runtime(world, process_count=1, device_count=8, on_tpu=True)
+
+
+def test_the_trainer_must_see_one_feeding_process() -> None:
+    check_one_feeder(world_size=1, process_index=0)
+    with pytest.raises(WorldError, match="a world of 2 process"):
+        check_one_feeder(world_size=2, process_index=0)
+    with pytest.raises(WorldError, match="this one 1"):
+        check_one_feeder(world_size=1, process_index=1)
+
+
+def test_a_slow_stop_save_is_advised_as_the_stop_it_was_measured_against() -> None:
+    from tpuft_trainer.stop import slow_save_advice
+
+    off_spot = slow_save_advice(40.2, 60, spot=False)
+    assert off_spot.startswith("the stop's save took 40.2 s, more than half the 60 s grace period")
+    assert "raise spec.terminationGracePeriodSeconds" in off_spot
+    on_spot = slow_save_advice(9.0, 15, spot=True)
+    assert "more than half the 15 s a Spot reclaim gives the pods" in on_spot
+    # On Spot a longer grace period changes nothing: the advice must not ask for one.
+    assert "raise spec.terminationGracePeriodSeconds" not in on_spot
+    assert "whatever spec.terminationGracePeriodSeconds says" in on_spot
+    assert "a smaller training.saveSteps" in on_spot and "spec.tpu.spotGracePeriodSeconds only" in on_spot
 
 
 # ---- mesh -----------------------------------------------------------------------------------------
@@ -283,6 +306,19 @@ def test_meter_rates_ignore_compiling_saving_and_evaluating_steps() -> None:
     assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
 
 
+# ---- host memory ----------------------------------------------------------------------------------
+def test_each_part_of_a_run_reports_its_own_peak_memory() -> None:
+    """tpuft-metrics.json's peak_rss: a part that peaked lower than an earlier one says so, instead
+    of repeating the earlier peak (what VmHWM alone gives)."""
+    host_memory.part_peak()  # the parts before this one
+    block = b"x" * (256 << 20)  # every page written: resident
+    del block
+    host_memory.release()
+    with_block = host_memory.part_peak()  # the part that held it for a moment
+    without_block = host_memory.part_peak()  # a part that did not
+    assert with_block - without_block > 200 << 20, (with_block, without_block)
+
+
 # ---- exit codes and config ------------------------------------------------------------------------
 def test_exit_codes() -> None:
     assert exit_code_for(ConfigError("x")) == ExitCode.CONFIG_ERROR
@@ -363,13 +399,13 @@ def test_local_sources_missing_or_malformed(tmp_path: Path) -> None:
         data.model_location(ModelSource(name=str(tmp_path / "absent")))
     with pytest.raises(NotFoundError):
         data.load_rows(DatasetSource(name=str(tmp_path / "absent.jsonl")))
-    rows = data.load_rows(DatasetSource(name=str(tiny.write_jsonl(tmp_path / "d.jsonl", n=8))))
-    with pytest.raises(DataError, match="has no 'body' field"):
-        data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d", text_field="body"), 16, 4)
-    with pytest.raises(DataError, match="fewer than one global batch"):
-        data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d"), 16, 9)
-    encoded = data.tokenize(rows, tiny.tokenizer(), DatasetSource(name="d"), 16, 8)
-    assert {len(ids) for ids in encoded["input_ids"]} == {16}
+    source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "d.jsonl", n=8)))
+    with pytest.raises(DataError, match=r"has no 'body' field.*dataset.textField"):
+        tiny.prepared_rows(
+            source.model_copy(update={"text_field": "body"}), tiny.tokenizer(), 16, tmp_path / "o"
+        )
+    encoded = tiny.prepared_rows(source, tiny.tokenizer(), 16, tmp_path / "o")
+    assert len(encoded) == 8 and {len(row["input_ids"]) for row in encoded} == {16}
     first = encoded[0]
     assert [lab for lab, m in zip(first["labels"], first["attention_mask"], strict=True) if not m] == [
         -100
@@ -377,11 +413,10 @@ def test_local_sources_missing_or_malformed(tmp_path: Path) -> None:
 
 
 def test_chat_rows_use_the_chat_template(tmp_path: Path) -> None:
-    from tpuft_trainer import data
     from tpuft_trainer.config import DatasetSource
 
     source = DatasetSource(name=str(tiny.write_jsonl(tmp_path / "c.jsonl", n=4, chat=True)), format="chat")
-    encoded = data.tokenize(data.load_rows(source), tiny.tokenizer(), source, 64, 4)
+    encoded = tiny.prepared_rows(source, tiny.tokenizer(), 64, tmp_path / "o")
     text = "".join(tiny.tokenizer().convert_ids_to_tokens(encoded[0]["input_ids"]))
     assert text.startswith("<s>user: ")
 
@@ -580,38 +615,35 @@ def test_a_non_root_user_that_cannot_open_the_tpu_devices_is_told_why_and_what_t
 # ---- evaluation sets of any size ------------------------------------------------------------------
 @pytest.mark.parametrize("packed", [False, True])
 def test_an_evaluation_set_is_filled_to_whole_batches_with_rows_that_carry_no_loss(
-    packed: bool, caplog: pytest.LogCaptureFixture
+    packed: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import datasets
-    from tpuft_trainer.packing import IGNORE, Document, packed_rows, padded_rows
-
     from tpuft_trainer import evaluation
+    from tpuft_trainer.config import DatasetSource
+    from tpuft_trainer.data import prepare
+    from tpuft_trainer.data.packing import IGNORE
 
-    documents = [Document(list(range(3, 3 + n)), list(range(3, 3 + n))) for n in (5, 7, 4)]
-    rows = packed_rows(documents, 8, 0) if packed else padded_rows(documents, 8, 0)
-    small = datasets.Dataset.from_dict(rows)
+    def ready(held: int) -> Any:
+        path = tiny.write_jsonl(tmp_path / "t.jsonl", n=20)
+        source = DatasetSource(name=str(path), packing=packed, eval_fraction=held / 20)
+        return prepare.find_or_prepare(tiny.trainer_config(source, tmp_path / "out", 64), tiny.tokenizer())
+
+    small = ready(3)  # documents of ~60 tokens: one to a row, packed or not
+    real = [small.rows("eval")[i] for i in range(3)]
     with caplog.at_level(logging.WARNING, logger="tpuft_trainer.evaluation"):
-        filled, batches = evaluation.pad_to_full_batches(small, 4, 0, name="tiny.jsonl")
+        filled, batches = evaluation.full_batches(small, 4, name="tiny.jsonl")
     assert "fewer than one global batch (4)" in caplog.text  # a tiny set: said, not refused
-    assert len(filled) == 4 and filled.column_names == small.column_names
-    assert filled[: len(small)] == small[:]  # the real rows first, as they were
-    blank = filled[len(small)]
-    assert blank["labels"] == [IGNORE] * 8 and blank["input_ids"] == [0] * 8
-    assert blank.get("attention_mask", [1] * 8) == [1] * 8  # attends (a row of zeros gives NaN)
-    loss_tokens = sum(sum(1 for t in row[1:] if t != IGNORE) for row in small["labels"])
-    assert (batches.rows, batches.padding, batches.loss_tokens, batches.batches) == (
-        len(small),
-        4 - len(small),
-        loss_tokens,
-        1,
-    )
+    assert len(filled) == 4 and set(filled[0]) == set(real[0])
+    assert all((filled[i][key] == real[i][key]).all() for i in range(3) for key in real[i])  # real rows first
+    blank = filled[3]
+    assert blank["labels"].tolist() == [IGNORE] * 64 and blank["input_ids"].tolist() == [0] * 64
+    assert blank.get("attention_mask", np.ones(64)).tolist() == [1] * 64  # attends (zeros give NaN)
+    loss_tokens = sum(int((row["labels"][1:] != IGNORE).sum()) for row in real)
+    assert (batches.rows, batches.padding, batches.loss_tokens, batches.batches) == (3, 1, loss_tokens, 1)
     assert batches.items_per_batch == loss_tokens
     # Two batches, the second part-filled: each batch's sum over loss_tokens / 2 averages to the token mean.
-    twice = datasets.concatenate_datasets([small, small])  # 6 rows: a full batch and half of one
-    _, two = evaluation.pad_to_full_batches(twice, 4, 0, name="x")
-    assert two.batches == 2 and two.items_per_batch == two.loss_tokens / 2
+    _, two = evaluation.full_batches(ready(6), 4, name="x")
+    assert two.batches == 2 and two.padding == 2 and two.items_per_batch == two.loss_tokens / 2
     caplog.clear()
-    exact = datasets.concatenate_datasets([filled, filled])
     with caplog.at_level(logging.INFO, logger="tpuft_trainer.evaluation"):
-        same, none = evaluation.pad_to_full_batches(exact, 4, 0, name="x")
+        same, none = evaluation.full_batches(ready(8), 4, name="x")
     assert len(same) == 8 and none.padding == 0 and not caplog.text  # whole batches: left alone

@@ -535,14 +535,23 @@ def scale_run(exit_code: int = 0, peak_gb: float = 4.0, **metrics: Any) -> dict[
 
 
 def scale_runs(
-    *, blocked: float = 0.1, plain_gb: float = 4.0, periodic_gb: float = 4.4, exit_s: float = 9.0
+    *,
+    blocked: float = 0.1,
+    device_wait: float | None = 1.8,
+    plain_gb: float = 4.0,
+    periodic_gb: float = 4.4,
+    exit_s: float = 9.0,
 ) -> dict[str, dict[str, Any]]:
     """The five runs of one size as the current trainer leaves them (168M parameters: a 2.69 GB
-    state): 8 steps, the first three compiling; saves at 2, 4 and 6 in the background, 8 at the end."""
+    state): 8 steps, the first three compiling; saves at 2, 4 and 6 in the background, 8 at the end.
+    ``device_wait``: what each save waited for the device to finish the steps dispatched ahead (None:
+    a trainer that timed it with the staging, in its blocked seconds)."""
     steps = [8.0, 8.0 + blocked, 2.0, 2.0 + blocked, 2.1, 2.0 + blocked, 1.9]  # steps 2..8
+    split = {} if device_wait is None else {"device_wait_seconds": device_wait, "staging_seconds": blocked}
     checkpoints = [
         {
             "step": s,
+            **split,
             "blocked_seconds": blocked,
             "write_seconds": 3.0 + s / 4,
             "seconds": 3.5,
@@ -620,6 +629,14 @@ def test_a_periodic_save_is_judged_by_what_the_trainer_says_it_blocked_or_else_b
     ]
     assert new[1]["median_step_seconds"] == 2.0 and new[1]["blocked_to_median_step"] == 0.15
     assert new[1]["gap_seconds"] == 0.3 and new[0]["gap_seconds"] is None  # the step times agree
+    # Apart from it, the wait for the device to finish the steps dispatched ahead (not lost).
+    assert [(s["device_wait_seconds"], s["staging_seconds"]) for s in new] == [(1.8, 0.3)] * 3
+    assert new[1]["device_wait_to_median_step"] == 0.9
+    # A trainer before issue 46 timed the device wait with the staging: its blocked seconds say so.
+    unsplit = periodic_saves(scale_runs(blocked=0.3, device_wait=None)["periodic"])
+    assert [(s["blocked_seconds"], s["blocked_from"], s["device_wait_seconds"]) for s in unsplit] == [
+        (0.3, "trainer, device wait included", None)
+    ] * 3
     # Against the plain run's median step where there is one (this run's steps ran beside writes).
     against_plain = periodic_saves(scale_runs(blocked=0.3)["periodic"], plain_median=4.0)
     assert (
@@ -676,9 +693,13 @@ def test_the_targets_are_met_or_say_what_limits_them() -> None:
     assert not any(v.limited_by for v in good)
     assert good[0].value == (
         "0.10 s at step 2 (0.05x), 0.10 s at step 4 (0.05x), 0.10 s at step 6 (0.05x)"
-        " of a 2.00 s median step (plain run); the periodic run's own steps 2.00 s"
-        " (1.00x plain's: each ran beside a save's background write)"
+        " of a 2.00 s median step (plain run); before its staging each waited 1.80 s for the device"
+        " to finish the steps dispatched ahead (not lost: the device computed them); the periodic run's own"
+        " steps 2.00 s (1.00x plain's: each ran beside a save's background write)"
     )
+    unsplit = verdicts(size_figures(scale_runs(device_wait=None), params))[0]
+    assert unsplit.value.startswith("0.10 s at step 2 (0.05x, trainer, device wait included), ")
+    assert "; device wait and staging not yet measured apart;" in unsplit.value
     assert good[3].value == "4.00 GB / 2.69 GB = 1.49x"
 
     bad = verdicts(size_figures(scale_runs(blocked=1.0, plain_gb=6.0, periodic_gb=8.8, exit_s=45.0), params))
@@ -733,7 +754,7 @@ def test_the_scale_report_shows_both_trainers_and_the_verdicts(tmp_path: Path) -
     from bench import scale
 
     def side(runs: dict[str, Any]) -> dict[str, Any]:
-        return {"170M": {"figures": scale.size_figures(runs, 168_000_000), "runs": runs}}
+        return {"168M": {"figures": scale.size_figures(runs, 168_000_000), "runs": runs}}
 
     results: dict[str, Any] = {
         "what": "made up",
@@ -750,7 +771,7 @@ def test_the_scale_report_shows_both_trainers_and_the_verdicts(tmp_path: Path) -
     scale._judge(results)
     text = "\n".join(scale.report(results))
     assert "current trainer (6c46f5e + working tree)" in text and "768b6be (768b6be; blocked" in text
-    assert "targets at 170M (current):" in text and "targets at 170M (768b6be):" in text
+    assert "targets at 168M (current):" in text and "targets at 168M (768b6be):" in text
     assert "periodic save blocks training: 8.00 s at step 2 (4.00x)" in text
     assert "the whole save blocks" in text and "the staging copy of" not in text  # (the earlier trainer's)
     assert scale.plot(results, tmp_path / "scale.png").is_file()

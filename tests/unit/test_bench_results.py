@@ -41,11 +41,11 @@ def test_every_benchmark_has_its_current_results_committed() -> None:
 
 
 def test_the_benchmarks_write_the_files_they_declare() -> None:
-    from bench import dpo, goodput, kopf_path, operator, pace, plot, recipes, scale, trainer
+    from bench import data, dpo, goodput, kopf_path, operator, pace, plot, recipes, scale, trainer
 
     modules = {
         "operator": operator, "kopf-path": kopf_path, "trainer": trainer, "recipes": recipes,
-        "dpo": dpo, "goodput": goodput, "scale": scale, "pace": pace,
+        "dpo": dpo, "goodput": goodput, "scale": scale, "pace": pace, "data": data,
     }  # fmt: skip
     assert {name: m.RESULTS for name, m in modules.items()} == {name: results_file(name) for name in modules}
     plots = {name: plot_file(name) for name, o in OUTPUTS.items() if o.plot}
@@ -107,3 +107,49 @@ def test_the_readme_troubleshooting_rows_on_bursts_are_short_and_link_the_measur
         symptom, cause = (cell.strip() for cell in row.strip("|").split(" | ")[:2])
         assert "(docs/benchmarks.md#" in cause, symptom
         assert len(cause) <= 350 and cause.count(". ") == 0, f"one sentence, with the link: {symptom}"
+
+
+def _scale_section() -> str:
+    return PAGE.read_text().split("## Scale: checkpoints, loading, export", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_scale_sizes_have_one_name_in_the_bench_its_results_and_the_page() -> None:
+    """A size is named by its parameter count in millions, rounded (46M, 168M, 340M), in
+    bench/scale.py, in scale.json and on the page (they once said 40M/170M in the first two)."""
+    import json
+
+    from bench import scale
+
+    results = json.loads(scale.RESULTS.read_text())
+    assert list(results["sizes"]) == list(scale.SIZES)
+    for label, size in results["sizes"].items():
+        assert label == f"{round(size['figures']['params'] / 1e6)}M", label
+        assert size["model"] == scale.SIZES[label]
+    assert results["targets"]["size"] == scale.TARGET_SIZE
+    section = _scale_section()
+    (header,) = [line for line in section.splitlines() if line.startswith("| | ")]
+    assert [cell.strip() for cell in header.strip("|").split("|")][1:] == list(scale.SIZES)
+    assert f"| target at {scale.TARGET_SIZE} |" in section
+
+
+def test_the_page_says_whether_the_saves_device_wait_was_measured_apart() -> None:
+    """A trainer before issue 46 timed a save's wait for the device with its staging copy: where
+    scale.json's periodic saves lack the split, the page must say so, and must stop saying so once a
+    run measured it."""
+    import json
+
+    from bench import scale
+
+    results = json.loads(scale.RESULTS.read_text())
+    saves = [
+        save
+        for size in results["sizes"].values()
+        for save in (size["figures"].get("periodic") or {}).get("saves") or []
+    ]
+    assert saves
+    split = [save.get("device_wait_seconds") is not None for save in saves]
+    assert all(split) or not any(split), "a results file from one trainer: all saves split, or none"
+    says_not_measured = scale.SPLIT_NOT_MEASURED in _scale_section().lower()
+    assert says_not_measured == (not all(split))
+    for verdict in results["verdicts"][:1]:  # the periodic save's, as the bench judged it
+        assert (scale.SPLIT_NOT_MEASURED in verdict["value"]) == (not all(split))

@@ -238,7 +238,39 @@ def test_a_periodic_save_that_blocked_little_but_took_long_in_all_is_slow() -> N
     status = derive(finetune({"progress": {"lastCheckpoint": save}}), jobset(), [pod("a"), pod("b")])
     slow = cond(status, "CheckpointSlow")
     assert slow["status"] == "True"
-    assert "took 45 s in all (2 s copying to host memory, 43 s writing)" in slow["message"]
+    assert "took 45 s in all (2.0 s copying to host memory, 43 s writing)" in slow["message"]
+
+
+def test_a_slow_save_names_the_device_wait_the_staging_and_the_write_apart() -> None:
+    """A periodic save first waits for the device to finish the steps the loop dispatched ahead (the
+    device computes them meanwhile, so it costs training nothing): the condition still counts that
+    wait, because a stop's save waits for it too within the grace period, and says which part is which
+    so a long device wait is not read as a slow copy."""
+    save = {
+        "step": 40,
+        "seconds": 33.0,
+        "deviceWaitSeconds": 18.2,
+        "stagingSeconds": 0.7,
+        "blockedSeconds": 0.7,
+        "writeSeconds": 14.1,
+        "graceSeconds": 60,
+    }
+    status = derive(finetune({"progress": {"lastCheckpoint": save}}), jobset(), [pod("a"), pod("b")])
+    slow = cond(status, "CheckpointSlow")
+    assert slow["status"] == "True" and slow["reason"] == "SaveOverHalfTheGrace"
+    assert (
+        "took 33 s in all (18 s for the device to finish the steps dispatched before it, 0.7 s copying to"
+        " host memory, 14 s writing)"
+    ) in slow["message"]
+    # Without the device wait the same save fits in half the grace period: judged on the whole save.
+    within = {**save, "seconds": 14.8, "deviceWaitSeconds": 0.0}
+    fine = derive(
+        finetune({"progress": {"lastCheckpoint": within}, "conditions": status["conditions"]}),
+        jobset(),
+        [pod("a"), pod("b")],
+    )
+    assert cond(fine, "CheckpointSlow")["status"] == "False"
+    assert "0.0 s for the device to finish" in cond(fine, "CheckpointSlow")["message"]
 
 
 def skipped_report(resumed: int, *skipped: tuple[int, str]) -> dict[str, Any]:
@@ -316,3 +348,32 @@ def test_the_reconciler_asks_the_pods_and_posts_the_event_once() -> None:
     ignoring["metadata"]["resourceVersion"] = "9"
     quiet.reconcile(ignoring, jobset(), [on("p0", "n1"), on("p1", "n1")], event=events, nodes=nodes)
     assert annotated == [] and events.posted == ["MaintenanceScheduled", "MaintenanceScheduled"]
+
+
+def test_the_trainers_report_of_a_save_is_what_the_api_declares() -> None:
+    """attempt.py names the parts of a save as status.progress.lastCheckpoint declares them (the API
+    rejects unknown fields): the device wait, the staging, what training lost, the write, the whole."""
+    from tpuft_trainer.attempt import Attempt
+
+    attempt = Attempt(started_at=datetime(2026, 12, 6, tzinfo=UTC), grace_seconds=60)
+    attempt.checkpoint_saved(
+        40,
+        "periodic",
+        device_wait_seconds=18.2,
+        staging_seconds=0.7,
+        blocked_seconds=0.7,
+        write_seconds=5.0,
+        seconds=23.9,
+    )
+    reported = attempt.to_status()
+    saved = TPUFineTuneStatus.model_validate({"progress": reported}).progress
+    assert saved is not None and saved.last_checkpoint is not None
+    last = saved.last_checkpoint
+    assert (last.device_wait_seconds, last.staging_seconds, last.blocked_seconds) == (18.2, 0.7, 0.7)
+    assert reported["attempt"]["checkpointSeconds"] == 0.7  # goodput's lost time: not the device wait
+    (record,) = attempt.to_record()["checkpoints"]
+    assert (record["device_wait_seconds"], record["staging_seconds"], record["blocked_seconds"]) == (
+        18.2,
+        0.7,
+        0.7,
+    )

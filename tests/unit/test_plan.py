@@ -551,6 +551,18 @@ def test_a_spot_reclaim_gives_15_seconds_whatever_the_grace_period_says() -> Non
     assert planning.stop_grace_seconds(ft.spec.model_copy(update={"tpu": raised}), default=120) == 90
 
 
+def test_a_grace_period_given_is_kept_as_given_and_only_a_missing_one_takes_the_default() -> None:
+    """One reading of spec.terminationGracePeriodSeconds (pods_grace_seconds) for the pods and the
+    trainer's stop: `spec.termination_grace_period_seconds or default` once turned a 0 into the
+    default. The API forbids values below 10 today; the helper does not depend on that."""
+    tpu = _multislice().spec.tpu.model_copy(update={"spot": False})
+    spec = _multislice().spec.model_copy(update={"tpu": tpu})
+    for given, expected in ((None, 45), (0, 0), (10, 10), (300, 300)):
+        ruled = spec.model_copy(update={"termination_grace_period_seconds": given})
+        assert planning.pods_grace_seconds(ruled, 45) == expected, given
+        assert planning.stop_grace_seconds(ruled, 45) == expected, given
+
+
 def test_plan_warns_when_a_spot_reclaims_save_cannot_fit_and_bounds_the_loss_with_save_steps() -> None:
     fits = _multislice()  # adafactor: ~3.6 GiB per host, ~10 s at the assumed bandwidth
     stop = planning.stop_save(planning.plan(fits, planning.KNOWN_MODELS[fits.spec.model.name]), fits.spec)

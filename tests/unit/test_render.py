@@ -464,10 +464,15 @@ def test_the_machine_type_is_selected_where_one_topology_has_more_than_one() -> 
 
 
 def test_a_spot_runs_trainer_measures_its_saves_against_a_reclaims_15_seconds() -> None:
-    def stop_grace(**tpu: Any) -> float:
+    def stop_config(**tpu: Any) -> Any:
         run = render_run(with_spec(tpu={"type": "v5e", "topology": "2x2", **tpu}))
-        return TrainerConfig.from_yaml(config_of(run.jobset)).stop.grace_seconds
+        return TrainerConfig.from_yaml(config_of(run.jobset)).stop
 
+    def stop_grace(**tpu: Any) -> float:
+        return float(stop_config(**tpu).grace_seconds)
+
+    # The trainer is told it is on Spot, so a slow save's advice is not "raise the grace period".
+    assert (stop_config(spot=True).spot, stop_config().spot) == (True, False)
     assert stop_grace() == 60  # the pods' grace period (the operator's default)
     assert stop_grace(spot=True) == 15  # GKE gives ordinary pods ~15 s of a reclaim's 30 s notice
     assert stop_grace(spot=True, spotGracePeriodSeconds=45) == 45  # a node system config gives more

@@ -1,6 +1,7 @@
 """What this attempt of the run did, in time: when its process started, when its first step was done,
 which step it resumed from, which checkpoints it skipped, and each checkpoint save (step, how long
-training waited for it, how long it took to write, why).
+the device took to finish the steps dispatched before it, how long the staging copy and training's
+wait took, how long it took to write, why).
 
 Rank 0 reports it in ``status.progress.attempt`` and ``status.progress.lastCheckpoint``; the operator
 folds the attempts of a run into ``status.goodput`` (productive time against what was lost to
@@ -39,8 +40,14 @@ def _timestamp(moment: datetime) -> str:
 
 @dataclass(frozen=True)
 class CheckpointSave:
+    """One save's times, as checkpoint.manager.SaveRecord measures them."""
+
     step: int
-    blocked_seconds: float  # training waited this long: the staging copy, or all of a synchronous save
+    device_wait_seconds: float  # the device finishing the steps dispatched before the save (not lost)
+    staging_seconds: float  # the copy to host memory
+    blocked_seconds: (
+        float  # what the save cost training: all but the device wait (and a periodic save's write)
+    )
     write_seconds: float  # the write after the staging (in the background for a periodic save)
     seconds: float  # from the save's start to the checkpoint complete on storage
     reason: str  # "periodic", "final", "SIGTERM", "checkpoint request <n>"
@@ -50,6 +57,8 @@ class CheckpointSave:
         return {
             "step": self.step,
             "seconds": round(self.seconds, 2),
+            "deviceWaitSeconds": round(self.device_wait_seconds, 2),
+            "stagingSeconds": round(self.staging_seconds, 2),
             "blockedSeconds": round(self.blocked_seconds, 2),
             "writeSeconds": round(self.write_seconds, 2),
             "reason": self.reason,
@@ -86,9 +95,26 @@ class Attempt:
             self.first_step_at = self.clock()
 
     def checkpoint_saved(
-        self, step: int, reason: str, *, blocked_seconds: float, write_seconds: float, seconds: float
+        self,
+        step: int,
+        reason: str,
+        *,
+        device_wait_seconds: float,
+        staging_seconds: float,
+        blocked_seconds: float,
+        write_seconds: float,
+        seconds: float,
     ) -> CheckpointSave:
-        save = CheckpointSave(step, blocked_seconds, write_seconds, seconds, reason, self.clock())
+        save = CheckpointSave(
+            step,
+            device_wait_seconds,
+            staging_seconds,
+            blocked_seconds,
+            write_seconds,
+            seconds,
+            reason,
+            self.clock(),
+        )
         self.saves.append(save)
         return save
 
@@ -136,6 +162,8 @@ class Attempt:
             "checkpoints": [
                 {
                     "step": s.step,
+                    "device_wait_seconds": round(s.device_wait_seconds, 3),
+                    "staging_seconds": round(s.staging_seconds, 3),
                     "blocked_seconds": round(s.blocked_seconds, 3),
                     "write_seconds": round(s.write_seconds, 3),
                     "seconds": round(s.seconds, 3),

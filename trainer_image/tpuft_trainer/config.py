@@ -207,10 +207,16 @@ class WorldConfig(_Strict):
 
 
 class StopConfig(_Strict):
-    """How a run stops without losing work (stop.py): the grace period the pods get after SIGTERM, the
-    file in which the operator asks for a checkpoint now, and the port the hosts agree over."""
+    """How a run stops without losing work (stop.py): the time the shortest stop gives the pods after
+    SIGTERM, whether the run is on Spot VMs, the file in which the operator asks for a checkpoint now,
+    and the port the hosts agree over."""
 
+    # The shortest stop's grace: the pods' terminationGracePeriodSeconds, or on Spot what a reclaim
+    # gives (GKE: ~15 s of the VM's 30 s notice, whatever the pods' grace period says).
     grace_seconds: float = Field(default=60.0, gt=0)
+    # On Spot a longer terminationGracePeriodSeconds gives a reclaim nothing: what to advise when a
+    # save is slow differs (stop.slow_save_advice).
+    spot: bool = False
     # A relative path is relative to the config file's directory: both come from the same volume.
     request_file: str | None = None
     # The first host listens here (TPUFT_COORDINATOR_ADDRESS) for the other hosts' stop channel.

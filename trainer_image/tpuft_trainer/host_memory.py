@@ -1,4 +1,5 @@
-"""This process's host memory: how much it peaked at, and giving freed memory back to the system.
+"""This process's host memory: how much each part of the run peaked at, and giving freed memory back
+to the system.
 
 Why ``release``: a checkpoint's staging copy, a resumed checkpoint's read buffers and the export's
 groups are many tensors of a few to tens of MB each, freed once written. glibc serves allocations
@@ -36,8 +37,8 @@ def release() -> None:
 
 
 def peak_bytes() -> int:
-    """The process's peak resident memory so far (Linux VmHWM), 0 where the kernel does not say.
-    Never reset: that would also reset what ``getrusage``'s ru_maxrss reports to whoever watches."""
+    """The process's peak resident memory since it started or since the last ``part_peak`` (Linux
+    VmHWM), 0 where the kernel does not say."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -46,3 +47,26 @@ def peak_bytes() -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def part_peak() -> int:
+    """The peak resident memory of the part of the run that ends now (since the previous call, or the
+    process's start), and a fresh high-water mark for the next part: writing 5 to /proc/self/clear_refs
+    resets VmHWM to the current RSS. Without the reset each part would report the largest peak so far
+    (a training peak hidden behind the load's). The kernel's ru_maxrss is taken from the same mark, so
+    after a reset it holds the peak since then: the process's peak is the largest part. Where the reset
+    is refused (not Linux, a locked-down /proc), the parts are cumulative and a warning says so."""
+    peak = peak_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError as error:
+        if not _reset_refused:
+            log.warning(
+                "cannot reset the peak RSS between parts (%s): each part reports the peak so far", error
+            )
+            _reset_refused.append(error)
+    return peak
+
+
+_reset_refused: list[OSError] = []  # the first refusal (warned about once)

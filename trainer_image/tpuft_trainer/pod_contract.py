@@ -75,6 +75,9 @@ FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV: Final = "TPUFT_FAULT_SIGTERM_IN_SAVE_AT_STEP"
 # Set by tests and chaos drills only; read by train.run: the process sends itself SIGTERM after that step
 # (once no save is writing: the stop then saves the step reached).
 FAULT_SIGTERM_AT_STEP_ENV: Final = "TPUFT_FAULT_SIGTERM_AT_STEP"
+# Set by tests and chaos drills only; read by train.run: every checkpoint write takes this many seconds
+# more (slow storage), before its first file.
+FAULT_SLOW_WRITE_SECONDS_ENV: Final = "TPUFT_FAULT_SLOW_WRITE_SECONDS"
 
 # ------------------------------------------------------------------ what a spec may not take over
 

@@ -155,6 +155,30 @@ class Decision:
 NOT_TERMINATED, STOP_AT_SAVE_IN_FLIGHT, SAVE_AND_STOP = 0, 1, 2
 
 
+def slow_save_advice(save_seconds: float, grace_seconds: float, *, spot: bool) -> str:
+    """What a user should hear when a stop's save took more than half the grace it had.
+
+    Off Spot the pods' terminationGracePeriodSeconds is the grace: raising it is the fix. On Spot it is
+    not: GKE gives ordinary pods ~15 s of a reclaimed VM's 30 s notice whatever that field says
+    (more only on a node pool whose node system config raises the shutdown time, which
+    spec.tpu.spotGracePeriodSeconds then declares), so the fixes are a smaller loss when the save is
+    cut off (save more often) or a faster save (a smaller share of the state per host)."""
+    if not spot:
+        return (
+            f"the stop's save took {save_seconds:.1f} s, more than half the {grace_seconds:.0f} s grace period: "
+            "raise spec.terminationGracePeriodSeconds or the next stop may be cut off"
+        )
+    return (
+        f"the stop's save took {save_seconds:.1f} s, more than half the {grace_seconds:.0f} s a Spot reclaim "
+        "gives the pods (GKE: ~15 s of the VM's 30 s notice for ordinary pods, whatever "
+        "spec.terminationGracePeriodSeconds says): a reclaim's save is likely cut off, and the steps since "
+        "the last complete checkpoint are trained again. Save more often (a smaller training.saveSteps) or "
+        "make each host's share of the checkpoint smaller (more hosts, LoRA, adafactor); set "
+        "spec.tpu.spotGracePeriodSeconds only for a node pool whose node system config gives more "
+        "shutdown time"
+    )
+
+
 def read_request(path: Path | None) -> int:
     """The checkpoint request in the operator's file: a positive integer (the request's number, e.g.
     the maintenance time in Unix seconds), or 0 when there is none or the file is empty."""

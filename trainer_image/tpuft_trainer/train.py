@@ -35,23 +35,26 @@ from tpuft_trainer import mesh as mesh_module
 from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, SkippedCheckpoint, process_start_time
 from tpuft_trainer.checkpoint import layout
+from tpuft_trainer.checkpoint.backend import Backend
 from tpuft_trainer.checkpoint.hf_trainer import TrainerCheckpoints, with_sharded_checkpoints
 from tpuft_trainer.checkpoint.manager import CheckpointManager, Faults, SaveRecord
+from tpuft_trainer.checkpoint.resume import agree_on_resume_point
 from tpuft_trainer.checkpoint.xla import XlaBackend
 from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.data import packing, prepared
 from tpuft_trainer.data import prepare as data_prepare
-from tpuft_trainer.errors import ConfigError, DataError, PermissionDeniedError, StoppedAfterCheckpoint
+from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
     FAULT_KILL_AT_STEP_ENV,
     FAULT_KILL_IN_SAVE_AT_STEP_ENV,
     FAULT_SIGTERM_AT_STEP_ENV,
     FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV,
+    FAULT_SLOW_WRITE_SECONDS_ENV,
 )
 from tpuft_trainer.progress import LogBar, Meter, StatusReporter, make_callback
-from tpuft_trainer.world import World, check_runtime, detect_world
+from tpuft_trainer.world import World, check_one_feeder, check_runtime, detect_world
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +110,8 @@ class RunRecord:
     # How the model was loaded: {sharded, why (when not), seconds}; and the final export's figures.
     model_load: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
-    # This process's peak resident memory (bytes, Linux VmHWM) by the end of each part: load, train
-    # (resume and saves included), export; a part that did not raise the peak shows the one before.
+    # This process's peak resident memory (bytes, Linux VmHWM) in each part: load, train (resume and
+    # saves included), export; each part's own (host_memory.part_peak); the process's is the largest.
     peak_rss: dict[str, int] = field(default_factory=dict)
     # The prepared dataset read: {fingerprint, reused (prepared before: nothing tokenised), seconds
     # (its prepare's wall time), directory}.
@@ -163,11 +166,14 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     record.mesh = dict(zip(mesh_module.AXIS_NAMES, shape.shape, strict=True))
     log.info("mesh %s over %d devices, %d process(es)", record.mesh, devices, xr.process_count())
 
-    # 3. Output and resume: the newest checkpoint at the output that is complete and whole.
+    # 3. Output and resume: the newest checkpoint at the output that is complete and whole, one for
+    # every host (process 0 decides and tells the others over the checkpoints' own group, which the
+    # backend starts with several processes: resume.py).
     output = storage.local_dir(config.output.uri)  # the Trainer's directory (a staging copy for a URI)
     output.mkdir(parents=True, exist_ok=True)
     store = layout.Store(config.output.uri)
-    resume = _resume_point(store, attempt, world.restart_attempt, is_rank_zero)
+    backend = XlaBackend()
+    resume = _resume_point(store, attempt, world.restart_attempt, backend)
     record.resumed_from = resume.name if resume else None
     training = config.training
     preference = training.objective == "dpo"
@@ -202,7 +208,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record, is_rank_zero)
         eval_items_per_batch = eval_batches.items_per_batch if eval_batches else None
         reference = None
-    record.peak_rss["load"] = host_memory.peak_bytes()
+    record.peak_rss["load"] = host_memory.part_peak()
 
     # 5. The Trainer, with FSDPv2 arguments from the same function users call.
     fsdp_args = fsdp_v2.get_fsdp_training_args(
@@ -221,8 +227,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         is_rank_zero,
         eval_items_per_batch,
     )
+    check_one_feeder(world_size=trainer.args.world_size, process_index=trainer.args.process_index)
     # Checkpoints: the manager owns saving and restoring; the Trainer calls it through its own hooks.
-    backend = XlaBackend()
     manager = CheckpointManager(
         store,
         backend,
@@ -230,6 +236,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         faults=Faults(
             kill_before_marker=int(env.get(FAULT_KILL_IN_SAVE_AT_STEP_ENV, "0") or 0),
             sigterm_while_writing=int(env.get(FAULT_SIGTERM_IN_SAVE_AT_STEP_ENV, "0") or 0),
+            slow_write_seconds=float(env.get(FAULT_SLOW_WRITE_SECONDS_ENV, "0") or 0),
         ),
     )
     saves = _SaveLog(attempt, config, stopper, is_rank_zero)
@@ -275,7 +282,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         stopper.close(wait=False)
         raise
     stopper.close()
-    record.peak_rss["train"] = host_memory.peak_bytes()
+    record.peak_rss["train"] = host_memory.part_peak()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
     _throughput(record, recorder.step_times, counter, flops.per_token(training.max_seq_length))
@@ -294,7 +301,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # the export's gathers.
     _drop_optimizer_state(trainer)
     record.export = _export(trainer, tokenizer, config, store, backend, output, is_rank_zero)
-    record.peak_rss["export"] = host_memory.peak_bytes()
+    record.peak_rss["export"] = host_memory.part_peak()
     record.final_step = int(trainer.state.global_step)
     record.seconds = round(time.monotonic() - started, 2)
     if is_rank_zero:
@@ -356,18 +363,16 @@ def _stopped(
     )
 
 
-def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, is_rank_zero: bool) -> Any:
-    """The checkpoint to resume from (``layout.Found``) or None; records and logs the skipped ones.
-    Rank 0 removes every checkpoint directory newer than it (cut off, or not whole), so no save of
-    this attempt writes into a directory that holds another attempt's files."""
-    try:
-        point = layout.resume_point(store)
-    except PermissionError as error:
-        raise PermissionDeniedError(f"cannot read the output {store.location}: {error}") from error
-    for skipped in point.skipped:
+def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, backend: Backend) -> Any:
+    """The checkpoint to resume from (``layout.Found``) or None, the same on every process; records
+    and logs the skipped ones. Process 0 then removes every checkpoint directory newer than it (cut
+    off, or not whole), so no save of this attempt writes into a directory that holds another
+    attempt's files (resume.py)."""
+    agreed = agree_on_resume_point(store, backend)
+    for skipped in agreed.point.skipped:
         log.warning("not resuming from %s at %s: %s", skipped.name, store.url(skipped.name), skipped.problem)
         attempt.skipped.append(SkippedCheckpoint(skipped.step, f"{skipped.name}: {skipped.problem}"))
-    found = point.checkpoint
+    found = agreed.point.checkpoint
     if found is not None and found.legacy:
         raise ConfigError(
             f"{found.name} at {store.url(found.name)} is in the full-file format of an earlier tpuft "
@@ -384,8 +389,8 @@ def _resume_point(store: layout.Store, attempt: Attempt, restart_attempt: int, i
             "restart attempt %d but no complete checkpoint at the output: starting from the beginning",
             restart_attempt,
         )
-    if is_rank_zero:
-        for action in layout.clear_after(store, found.step if found else 0):
+    if backend.process_index == 0:
+        for action in agreed.cleared:
             log.warning("%s", action)
     return found
 
@@ -407,27 +412,36 @@ class _SaveLog:
             self.attempt.checkpoint_saved(
                 save.step,
                 save.reason,
+                device_wait_seconds=save.device_wait_seconds,
+                staging_seconds=save.staging_seconds,
                 blocked_seconds=save.blocked_seconds,
                 write_seconds=save.write_seconds,
                 seconds=save.seconds,
             )
-            log.info(
-                "saved checkpoint-%d in %.1f s (%s): training waited %.2f s, the write took %.1f s%s",
-                save.step,
-                save.seconds,
-                save.reason,
-                save.blocked_seconds,
-                save.write_seconds,
-                " in the background" if save.reason == "periodic" else "",
-            )
+            log.info("%s", _save_line(save))
             grace = self.config.stop.grace_seconds
             if self.stopper.decided is not None and save.seconds > grace / 2:
-                log.warning(
-                    "the stop's save took %.1f s, more than half the %.0f s grace period: raise "
-                    "spec.terminationGracePeriodSeconds or the next stop may be cut off",
-                    save.seconds,
-                    grace,
-                )
+                advice = stop_module.slow_save_advice(save.seconds, grace, spot=self.config.stop.spot)
+                log.warning("%s", advice)
+
+
+def _save_line(save: SaveRecord) -> str:
+    """The log line of a completed save: what it cost training and of what, and apart from it the
+    wait for the device (it computed the steps dispatched before the save meanwhile)."""
+    background = save.reason == "periodic"
+    parts = [f"the staging copy {save.staging_seconds:.2f} s"]
+    if not background:
+        parts.append(f"the write {save.write_seconds:.1f} s")
+    previous = save.blocked_seconds - save.staging_seconds - (0.0 if background else save.write_seconds)
+    if previous > 0.05:
+        parts.append(f"waiting for the previous save's write {previous:.1f} s")
+    return (
+        f"saved checkpoint-{save.step} in {save.seconds:.1f} s ({save.reason}): training lost"
+        f" {save.blocked_seconds:.2f} s ({', '.join(parts)})"
+        + (f", the write took {save.write_seconds:.1f} s in the background" if background else "")
+        + f"; before it the device finished the steps dispatched ahead in {save.device_wait_seconds:.2f} s"
+        " (not lost: it computed them)"
+    )
 
 
 def _stop_at_this_save(
@@ -509,15 +523,8 @@ def _datasets(
     ready = data_prepare.find_or_prepare(
         config, tokenizer, workers=data_prepare.default_workers(), publish=is_rank_zero
     )
+    ready.check_fills_a_batch(global_batch, config.dataset.name)
     train = ready.manifest.splits[prepared.TRAIN]
-    if train.rows < global_batch:
-        packed = (
-            f" after packing {train.documents - train.dropped} documents" if config.dataset.packing else ""
-        )
-        raise DataError(
-            f"dataset {config.dataset.name} has {train.rows} rows{packed}, fewer than one global batch "
-            f"({global_batch}); every batch must be full (drop_last)"
-        )
     dataset = ready.rows(prepared.TRAIN)
     eval_dataset = eval_batches = None
     if ready.has_eval:

@@ -126,3 +126,17 @@ def check_runtime(world: World, *, process_count: int, device_count: int, on_tpu
     if problems and on_tpu:
         raise WorldError("; ".join(problems) + ": refusing to train as independent copies")
     return problems
+
+
+def check_one_feeder(*, world_size: int, process_index: int) -> None:
+    """Under SPMD each host feeds the same global batch (and transfers only its own devices' shards),
+    so the HF Trainer must see one process and not split the data by host. It takes its world from
+    accelerate, which under torch_xla asks the XLA runtime (one virtual device under SPMD), never
+    torch.distributed's default group (checkpoint/xla.py starts one for DCP on several hosts):
+    docs/trainer.md, "torch.distributed's default group and the Trainer". If a library version
+    changed that, every host would train on a different part of each batch: refuse."""
+    if (world_size, process_index) != (1, 0):
+        raise WorldError(
+            f"the Trainer sees a world of {world_size} process(es) (this one {process_index}); under SPMD it "
+            "must see 1, or each host would feed a different part of every batch: refusing to train"
+        )

@@ -657,8 +657,10 @@ class TPUFineTuneSpec(_Spec):
             "Seconds the trainer pods get after SIGTERM (suspend, preemption, a node drain or "
             "maintenance) before SIGKILL: every host saves the step it reached in that time, so it "
             "must hold one training step and one checkpoint save. Default: the operator's setting "
-            "(60 s). A save that took more than half of it in all (the copy to host memory and the "
-            "write: a stop's save is synchronous) shows condition CheckpointSlow."
+            "(60 s). A save that took more than half of it in all (the wait for the device, the copy to "
+            "host memory and the write: a stop's save is synchronous) shows condition CheckpointSlow. On "
+            f"Spot (spec.tpu.spot) a reclaim gives about {SPOT_GRACE_SECONDS} s whatever this says, and saves "
+            "are measured against that: there, raising this helps the other stops, not a reclaim."
         ),
     )
     maintenance: Literal["checkpoint", "ignore"] = Field(
@@ -814,8 +816,9 @@ class AttemptProgress(_Spec):
         default=None,
         ge=0,
         description=(
-            "Time training waited for saves: each periodic save's copy of the shards to host memory "
-            "(its write runs in the background), all of a stop's save (synchronous)."
+            "Time the saves cost training (their blockedSeconds): each periodic save's copy of the "
+            "shards to host memory (its write runs in the background), a stop's save (synchronous) in "
+            "full but for the wait for the device to finish its dispatched steps (it computes them meanwhile)."
         ),
     )
     checkpoint_write_seconds: float | None = Field(
@@ -845,15 +848,30 @@ class CheckpointProgress(_Spec):
         default=None,
         ge=0,
         description=(
-            "From the step boundary to the checkpoint complete on storage: blockedSeconds + "
-            "writeSeconds. What a stop's save (synchronous) would take; compared with the grace period "
-            "(condition CheckpointSlow)."
+            "From the step boundary to the checkpoint complete on storage: deviceWaitSeconds, the "
+            "staging and the write. What a stop's save (synchronous) would take; compared with the grace "
+            "period (condition CheckpointSlow)."
         ),
+    )
+    device_wait_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "The wait for the device to finish the steps the training loop had dispatched before the "
+            "save (the loop runs ahead of the device, up to about a step): the device computes them "
+            "meanwhile, so it is not lost to training, but a stop's save waits for it too."
+        ),
+    )
+    staging_seconds: float | None = Field(
+        default=None, ge=0, description="The copy of the shards to host memory, alone."
     )
     blocked_seconds: float | None = Field(
         default=None,
         ge=0,
-        description="How long training waited for it: the copy of the shards to host memory (a stop's save: all of it).",
+        description=(
+            "What the save cost training: the staging copy (and the end of the previous save's write, "
+            "if it was still writing); a stop's save (synchronous): also its write. All but the device wait."
+        ),
     )
     write_seconds: float | None = Field(
         default=None,
@@ -864,7 +882,15 @@ class CheckpointProgress(_Spec):
         default=None, description="periodic, SIGTERM, or checkpoint request <n> (maintenance)."
     )
     grace_seconds: float | None = Field(
-        default=None, ge=0, description="The pods' termination grace period at the time."
+        default=None,
+        ge=0,
+        description=(
+            "The seconds the shortest stop gives the pods after SIGTERM, which the save is measured "
+            "against: spec.terminationGracePeriodSeconds (else the operator's default), or on Spot what "
+            f"a reclaim gives, spec.tpu.spotGracePeriodSeconds (default {SPOT_GRACE_SECONDS}: GKE gives "
+            "ordinary pods ~15 s of the VM's 30 s notice, whatever the pods' terminationGracePeriodSeconds "
+            "says)."
+        ),
     )
     time: datetime | None = Field(default=None, description="When the save completed.")
 
@@ -924,7 +950,8 @@ class LostTime(_Spec):
         ge=0,
         description=(
             "Time training waited for saves: a periodic save's copy to host memory (its write runs "
-            "in the background), a stop's save in full, and the final save of a success."
+            "in the background), a stop's save in full but for the device finishing its dispatched "
+            "steps, and the final save of a success."
         ),
     )
     redone_seconds: float = Field(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tpuft_operator import plan
+from tpuft_operator import plan, trainer_stack
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.validation import SpecError, ValidatedRun, parse_run, validate_run
 from tpuft_operator.render.identity import namespace_objects, run_objects
@@ -44,6 +44,9 @@ class RenderedRun:
     # the hash of the data settings it prepares for; None when spec.prepare.enabled is false.
     prepare_job: dict[str, Any] | None = None
     data_settings_hash: str = ""
+    # Why the trainer's stack is unverified on the run's TPU (trainer_stack.py: tpu7x), posted as a
+    # Warning TrainerStackUnverified with the run's start; the run is not refused.
+    trainer_stack_caveat: str | None = None
 
     @property
     def jobset_name(self) -> str:
@@ -83,4 +86,5 @@ def render_run(
         spot_stop_warning=plan.spot_stop_warning(model),
         prepare_job=prepare_job(model, config, settings) if model.spec.prepare.enabled else None,
         data_settings_hash=data_settings_hash(config),
+        trainer_stack_caveat=trainer_stack.trainer_stack_caveat(model.spec.model_dump(by_alias=True)),
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.resources import FINETUNE, JOBSET
+from tpuft_operator.plan import pods_grace_seconds
 from tpuft_operator.render import naming
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import (
@@ -192,12 +193,6 @@ def security_context(settings: RenderSettings) -> tuple[Obj, Obj]:
     return pod, container
 
 
-def grace_seconds(ft: TPUFineTune, settings: RenderSettings) -> int:
-    """The pods' termination grace period: the spec's, else the operator's default."""
-    given = ft.spec.termination_grace_period_seconds
-    return given if given is not None else settings.termination_grace_period_seconds
-
-
 def host_network(ft: TPUFineTune) -> bool:
     return ft.spec.network is not None and ft.spec.network.host_network
 
@@ -243,7 +238,7 @@ def pod_template(
     }
     pod_spec: Obj = {
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": grace_seconds(ft, settings),
+        "terminationGracePeriodSeconds": pods_grace_seconds(spec, settings.termination_grace_period_seconds),
         "nodeSelector": node_selector(ft, shape),
         "tolerations": tolerations(ft),
         "securityContext": pod_security,

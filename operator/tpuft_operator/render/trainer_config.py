@@ -128,6 +128,7 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
         # trainer reports with each save, and condition CheckpointSlow compares its saves with.
         stop=StopConfig(
             grace_seconds=stop_grace_seconds(ft.spec, settings.termination_grace_period_seconds),
+            spot=ft.spec.tpu.spot,
             request_file=REQUEST_FILE,
         ),
     )

@@ -1,7 +1,7 @@
 """What the checkpoint manager needs of a tensor backend, and the plain-torch one.
 
-The manager (manager.py) is written against ``Backend``: staging a state dict to host memory (the
-only part training waits for), the DCP planners that read and write it, creating an optimizer's
+The manager (manager.py) is written against ``Backend``: waiting for the device to finish the steps
+dispatched to it, staging a state dict to host memory (the only part training waits for), the DCP planners that read and write it, creating an optimizer's
 state before loading into it, and fetching whole tensors for the export. ``xla.py`` is the
 PyTorch/XLA SPMD backend the trainer runs on; ``TorchBackend`` here is plain torch on CPU
 (single process, or DTensors over a gloo group), which the tests use to check the manager's
@@ -23,9 +23,16 @@ class Backend(Protocol):
     @property
     def process_count(self) -> int: ...
 
+    def wait_for_device(self) -> None:
+        """Returns once the device has finished every step dispatched to it, so ``stage`` copies the
+        state as of this step boundary. The device keeps computing those steps meanwhile: the time
+        is not lost to training (a runtime that computes when it is called has nothing to wait for)."""
+        ...
+
     def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """A host-memory copy of this process's part of ``state`` (nested dicts of tensors), taken
-        now: training may change the tensors as soon as this returns. Every process calls it."""
+        now (after ``wait_for_device``): training may change the tensors as soon as this returns.
+        Every process calls it."""
         ...
 
     def save_planner(self) -> Any: ...
@@ -42,6 +49,23 @@ class Backend(Protocol):
         ...
 
     def barrier(self) -> None: ...
+
+    def broadcast_object(self, value: Any) -> Any:
+        """Process 0's ``value`` (any picklable object), on every process. A collective: every
+        process calls it; what the others pass is ignored."""
+        ...
+
+
+def broadcast_over_default_group(value: Any) -> Any:
+    """``Backend.broadcast_object`` over torch.distributed's default group, if one is initialised
+    (with one process there is nothing to send)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _clone_tree(value: Any) -> Any:
@@ -68,6 +92,9 @@ class TorchBackend:
         import torch.distributed as dist
 
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def wait_for_device(self) -> None:
+        return None  # eager CPU tensors: every operation is done when it returns
 
     def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
         return dict(_clone_tree(state))
@@ -108,3 +135,6 @@ class TorchBackend:
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def broadcast_object(self, value: Any) -> Any:
+        return broadcast_over_default_group(value)

@@ -17,15 +17,23 @@ A checkpoint is resumed from only if it carries the completion marker AND every 
 ``.metadata`` names exists at least as long as the bytes it points into (a shard deleted or cut
 short after the marker is caught here, not as a failed load in the middle of the start). Anything
 else is skipped, and the reason is reported (the operator turns it into an Event).
+
+Reads that decide this are asked again after a transient storage error (failures.py) before anything
+is concluded: a checkpoint is never skipped, nor later unmarked, because storage hiccuped once. A
+failure that outlasts the retries ends the start (exit 1, restarted), permission denied exits 77; only
+an index that storage returned but that cannot be parsed (or is gone) makes its checkpoint skipped.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from tpuft_trainer.checkpoint import failures
+from tpuft_trainer.errors import TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,10 @@ OPTIMIZER_EXTRAS = "optimizer.json"
 SMALL_FILES = (TRAINER_STATE, SCHEDULER, RNG_STATE, OPTIMIZER_EXTRAS)
 # What the earlier full-file format wrote instead of DCP shards (the model gathered on every host).
 LEGACY_FILES = ("model.safetensors", "adapter_model.safetensors", "optimizer.pt", "pytorch_model.bin")
+# The first wait before a read that failed transiently is asked again (then 2x, 4x: 3.5 s in all).
+READ_BACKOFF_SECONDS = 0.5
+
+T = TypeVar("T")
 
 
 def name_for(step: int) -> str:
@@ -144,11 +156,12 @@ def is_marked(store: Store, name: str) -> bool:
     return store.exists(name, COMPLETE) or store.exists(name, LEGACY_UPLOADED)
 
 
-def inspect(store: Store, name: str) -> Found:
-    """Whether checkpoint ``name`` can be resumed from, and if not, why (in the user's words)."""
+def inspect(store: Store, name: str, backoff_seconds: float = READ_BACKOFF_SECONDS) -> Found:
+    """Whether checkpoint ``name`` can be resumed from, and if not, why (in the user's words). Raises
+    ``PermissionDeniedError`` or ``CheckpointReadError`` when storage cannot be read (failures.py)."""
     step = step_of(name)
     assert step is not None, name
-    files = store.sizes(name)
+    files = _read(store, name, lambda: store.sizes(name), backoff_seconds)
     if COMPLETE not in files and LEGACY_UPLOADED not in files:
         return Found(name, step, "its save was cut off (no completion marker)")
     if DCP_METADATA not in files:
@@ -159,8 +172,12 @@ def inspect(store: Store, name: str) -> Found:
     if missing_small:
         return Found(name, step, f"{', '.join(missing_small)} missing")
     try:
-        needed = shard_extents(store, name)
-    except Exception as error:  # an unreadable index is as bad as none
+        needed = _read(store, f"{name}/{DCP_METADATA}", lambda: shard_extents(store, name), backoff_seconds)
+    except TrainerError as failure:  # storage failed (failures.py): nothing to conclude...
+        if not isinstance(failure.__cause__, FileNotFoundError):
+            raise
+        return Found(name, step, f"its {DCP_METADATA} is gone ({failure.__cause__})")  # ...unless gone
+    except Exception as error:  # storage returned it, but it is not an index: as bad as none
         return Found(name, step, f"its {DCP_METADATA} cannot be read ({type(error).__name__}: {error})")
     for shard, extent in sorted(needed.items()):
         if shard not in files:
@@ -168,6 +185,20 @@ def inspect(store: Store, name: str) -> Found:
         if files[shard] < extent:
             return Found(name, step, f"shard {shard} is truncated ({files[shard]} of {extent} bytes)")
     return Found(name, step)
+
+
+def _read(store: Store, what: str, call: Callable[[], T], backoff_seconds: float) -> T:
+    """``call()`` (a read of ``what`` under the output), retried after transient errors; a storage
+    failure that outlasts them is raised as the run's error (failures.py), anything else as it is."""
+    try:
+        return failures.retrying(call, what=store.url(what), backoff_seconds=backoff_seconds)
+    except Exception as error:
+        failure = failures.storage_failure(
+            error, f"{store.url(what)} could not be read: {type(error).__name__}: {error}", writing=False
+        )
+        if failure is None:
+            raise
+        raise failure from error
 
 
 def shard_extents(store: Store, name: str) -> dict[str, int]:
@@ -191,12 +222,13 @@ class ResumePoint:
     skipped: list[Found]
 
 
-def resume_point(store: Store) -> ResumePoint:
+def resume_point(store: Store, backoff_seconds: float = READ_BACKOFF_SECONDS) -> ResumePoint:
     """The newest checkpoint that can be resumed from, checking newest first. A legacy (full-file)
-    checkpoint that is the newest complete one is returned as is: the caller says what to do."""
+    checkpoint that is the newest complete one is returned as is: the caller says what to do. One
+    process decides (resume.py): every host must resume from the same checkpoint."""
     skipped: list[Found] = []
-    for _, name in checkpoints(store):
-        found = inspect(store, name)
+    for _, name in _read(store, "", lambda: list(checkpoints(store)), backoff_seconds):
+        found = inspect(store, name, backoff_seconds)
         if found.resumable or found.legacy:
             return ResumePoint(found, skipped)
         skipped.append(found)
@@ -209,10 +241,11 @@ def mark_complete(store: Store, name: str) -> None:
 
 
 def clear_after(store: Store, step: int) -> list[str]:
-    """Rank 0, before training resumes from ``step``: no checkpoint directory newer than it may look
-    complete, since this attempt will save those steps again (possibly into the same directories).
-    Unmarked ones (a save cut off) are deleted; marked ones that are not whole (a shard missing or cut
-    short) lose their marker, and keep their files for whoever wants to look. Returns what was done."""
+    """Rank 0, before training resumes from ``step``, once every process knows it (resume.py): no
+    checkpoint directory newer than it may look complete, since this attempt will save those steps
+    again (possibly into the same directories). Unmarked ones (a save cut off) are deleted; marked ones
+    that are not whole (a shard missing or cut short) lose their marker and keep their files for
+    whoever wants to look, until a newer checkpoint is complete (``retire``). Returns what was done."""
     done = []
     for found_step, name in checkpoints(store):
         if found_step <= step:
@@ -229,14 +262,33 @@ def clear_after(store: Store, step: int) -> list[str]:
     return done
 
 
-def retire(store: Store, keep: int, protect: str | None = None) -> list[str]:
-    """Rank 0, after a checkpoint completed: deletes the oldest *complete* checkpoints beyond the
-    newest ``keep`` complete ones (never an incomplete one, which may be a save in flight, and never
-    ``protect``). Returns their names."""
-    complete = [name for _, name in checkpoints(store) if is_marked(store, name)]
-    removed = []
-    for name in complete[keep:]:
-        if name != protect:
+def retire(
+    store: Store, keep: int | None, newest: int, *, known_complete: Collection[str] = (), since: int = 0
+) -> list[str]:
+    """Rank 0, once checkpoint-``newest`` is complete (no save is in flight then: one at a time).
+
+    Deletes the unmarked directories older than it and newer than ``since``, the step this attempt
+    resumed from: what ``clear_after`` unmarked at the start (or a save cut off) that this attempt did
+    not save again. Nothing resumes from them, and on a long run with many restarts they would pile
+    up. Older ones were there before this attempt, and an unmarked one newer than ``newest`` may be a
+    save to come: both are left alone. ``known_complete`` (this attempt's own saves) are not asked
+    about, so storage is asked only about the few others.
+    With ``keep``, also deletes the oldest complete checkpoints beyond the newest ``keep`` (never an
+    incomplete one). Returns what was done."""
+    found = list(checkpoints(store))
+
+    def marked(name: str) -> bool:
+        return name in known_complete or is_marked(store, name)
+
+    done, gone = [], set()
+    for step, name in found:
+        if since < step < newest and not marked(name):
             store.remove(name)
-            removed.append(name)
-    return removed
+            gone.add(name)
+            done.append(f"removed {name}: it is not complete, and checkpoint-{newest} is")
+    if keep:
+        complete = [name for _, name in found if name not in gone and marked(name)]
+        for name in complete[keep:]:
+            store.remove(name)
+            done.append(f"removed {name} (keepCheckpoints: {keep})")
+    return done

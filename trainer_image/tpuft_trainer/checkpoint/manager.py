@@ -1,16 +1,22 @@
 """The one owner of saving and restoring checkpoints (torchtitan's CheckpointManager is the model).
 
-A save has two parts. *Staging* copies this process's chunks of the model and optimizer state to host
-memory (``Backend.stage``): training waits for it, and only for it. *Writing* hands the staged copy to
-``torch.distributed.checkpoint`` (each process writes its own chunks, the coordinator the index) and,
-on rank 0, the small files and the completion marker; a periodic save writes in a background thread
-while training goes on. One save is in flight at a time: a new save, a stop and the end of training
-first wait for the one writing. A stop's save (and the last step's) is synchronous.
+A save first waits for the device to finish the steps the training loop dispatched ahead of it
+(``Backend.wait_for_device``): the device computes them meanwhile, so that wait is timed apart and is
+not counted as lost to training. Then it has two parts. *Staging* copies this process's chunks of the
+model and optimizer state to host memory (``Backend.stage``): training waits for it, and only for it.
+*Writing* hands the staged copy to ``torch.distributed.checkpoint`` (each process writes its own
+chunks, the coordinator the index) and, on rank 0, the small files and the completion marker; a
+periodic save writes in a background thread while training goes on. One save is in flight at a
+time: a new save, a stop and the end of training first wait for the one writing. A stop's save (and
+the last step's) is synchronous.
 
 A write that fails (storage full, permission denied) is reported at the next step boundary or save
-(``poll``/``wait``) as a ``CheckpointWriteError`` naming the checkpoint, the location and the newest
-checkpoint that is complete; its partial directory is removed (best effort) and no complete checkpoint
-is ever deleted because of it (retention runs only after a checkpoint is complete).
+(``poll``/``wait``) naming the checkpoint, the location and the newest checkpoint that is complete;
+its partial directory is removed (best effort) and no complete checkpoint is ever deleted because of
+it (retention runs only after a checkpoint is complete). Reads and writes share one classification
+(failures.py): permission denied is ``PermissionDeniedError`` (exit 77, not restarted), any other
+storage failure ``CheckpointWriteError`` / ``CheckpointReadError`` (exit 1, restarted); a checkpoint
+that storage returns but that does not fit this run's model is a ``ConfigError`` (exit 64).
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ from typing import Any
 from tpuft_trainer import host_memory
 from tpuft_trainer.checkpoint import layout
 from tpuft_trainer.checkpoint.backend import Backend
-from tpuft_trainer.errors import ConfigError, PermissionDeniedError, TrainerError
+from tpuft_trainer.checkpoint.failures import (
+    CheckpointReadError,
+    CheckpointWriteError,
+    is_mismatch,
+    storage_failure,
+)
+from tpuft_trainer.errors import ConfigError, TrainerError
+
+__all__ = ["CheckpointManager", "CheckpointReadError", "CheckpointWriteError", "Faults", "SaveRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +54,12 @@ log = logging.getLogger(__name__)
 class Faults:
     """Fault injection for tests and chaos drills (pod_contract's TPUFT_FAULT_* variables): at the
     save of step ``kill_before_marker``, SIGKILL this process once every file is written but before
-    the marker; at the save of step ``sigterm_while_writing``, send it SIGTERM as the write begins."""
+    the marker; at the save of step ``sigterm_while_writing``, send it SIGTERM as the write begins;
+    ``slow_write_seconds``: every write waits that long before its first file (slow storage)."""
 
     kill_before_marker: int = 0
     sigterm_while_writing: int = 0
-
-
-class CheckpointWriteError(TrainerError):
-    """A checkpoint could not be written: an infrastructure failure (the JobSet restarts the run from
-    the newest complete checkpoint), or ``PermissionDeniedError`` when storage refuses access."""
-
-    exit_code = 1
+    slow_write_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,15 @@ class SaveRecord:
 
     step: int
     reason: str  # "periodic", "SIGTERM", "checkpoint request <n>", "final"
-    blocked_seconds: float  # training waited this long: the staging copy, or all of a synchronous save
+    # The device finishing the steps dispatched before the save: it computed them meanwhile, so this
+    # is not lost to training (a stop's save takes it too, within the grace period).
+    device_wait_seconds: float
+    staging_seconds: float  # the copy to host memory, alone
+    # What the save cost training: the staging (and a wait for the previous save's write, if it was
+    # still writing); a synchronous save: also its write. Everything but the device wait.
+    blocked_seconds: float
     write_seconds: float  # the write after the staging (in the background for a periodic save)
-    seconds: float  # from the save's start to the checkpoint complete on storage
+    seconds: float  # from the save's start to the checkpoint complete on storage: all of it
 
 
 @dataclass
@@ -70,7 +85,8 @@ class _Save:
     reason: str
     staged: dict[str, Any]
     small_files: dict[str, bytes]
-    blocked_seconds: float
+    device_wait_seconds: float
+    staging_seconds: float
     started: float  # monotonic: the save call
     staged_at: float  # monotonic: the end of the staging
     blocking: bool = False
@@ -98,9 +114,10 @@ class CheckpointManager:
         self._faults = faults
         self._current: _Save | None = None
         self._recent: list[_Save] = []  # the last few saves, for in_flight_at
-        self._completed: list[SaveRecord] = []
-        self._lock = threading.Lock()
+        self._completed: list[SaveRecord] = []  # only the caller's thread: _join, poll
         self.newest_complete: int | None = None  # the newest checkpoint known complete
+        self.resumed_step = 0  # the checkpoint this attempt loaded (0: none)
+        self._complete_here: set[str] = set()  # the checkpoints this attempt completed
         self.newest_started: int | None = None  # the newest save this process started
 
     # ---- saving ---------------------------------------------------------------------------------
@@ -118,10 +135,23 @@ class CheckpointManager:
         small files (name -> bytes) as of now."""
         started = time.monotonic()
         self._join()  # one save in flight: the previous one must be on storage first
+        joined = time.monotonic()
+        self.backend.wait_for_device()
+        device_ready = time.monotonic()
         staged = self.backend.stage(state)
         files = small_files() if self.is_coordinator else {}
         staged_at = time.monotonic()
-        save = _Save(step, reason, staged, files, staged_at - started, started, staged_at, blocking)
+        save = _Save(
+            step,
+            reason,
+            staged,
+            files,
+            device_ready - joined,
+            staged_at - device_ready,
+            started,
+            staged_at,
+            blocking,
+        )
         self.newest_started = step
         self._recent = [*self._recent[-3:], save]
         if blocking:
@@ -141,6 +171,7 @@ class CheckpointManager:
             if self._faults.sigterm_while_writing == save.step:
                 log.warning("fault injection: SIGTERM while checkpoint-%d is being written", save.step)
                 os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(self._faults.slow_write_seconds)
             if self.is_coordinator:
                 self.store.fs.makedirs(self.store.path(name), exist_ok=True)
                 for file_name, data in save.small_files.items():
@@ -158,10 +189,13 @@ class CheckpointManager:
                     os.kill(os.getpid(), signal.SIGKILL)
                 layout.mark_complete(self.store, name)
             done = save.completed_at = time.monotonic()
+            training_waited_until = done if save.blocking else save.staged_at
             save.record = SaveRecord(
                 save.step,
                 save.reason,
-                blocked_seconds=done - save.started if save.blocking else save.blocked_seconds,
+                device_wait_seconds=save.device_wait_seconds,
+                staging_seconds=save.staging_seconds,
+                blocked_seconds=training_waited_until - save.started - save.device_wait_seconds,
                 write_seconds=done - save.staged_at,
                 seconds=done - save.started,
             )
@@ -194,11 +228,18 @@ class CheckpointManager:
 
     def _finished(self, record: SaveRecord) -> None:
         self.newest_complete = record.step
-        with self._lock:
-            self._completed.append(record)
-        if self.is_coordinator and self.keep:
-            for name in layout.retire(self.store, self.keep):
-                log.info("removed %s (keepCheckpoints: %d)", name, self.keep)
+        self._completed.append(record)
+        self._complete_here.add(layout.name_for(record.step))
+        if self.is_coordinator:
+            retired = layout.retire(
+                self.store,
+                self.keep,
+                record.step,
+                known_complete=self._complete_here,
+                since=self.resumed_step,
+            )
+            for action in retired:
+                log.info("%s", action)
 
     def _write_failure(self, save: _Save) -> TrainerError:
         assert save.error is not None
@@ -210,11 +251,11 @@ class CheckpointManager:
             else "no earlier checkpoint of this attempt is complete"
         )
         message = f"checkpoint-{save.step} could not be written to {where}: {_first_line(error)}; {kept}"
-        if isinstance(error, PermissionError) or getattr(error, "errno", None) in (errno.EACCES, errno.EPERM):
-            return PermissionDeniedError(message)
         if getattr(error, "errno", None) == errno.ENOSPC:
             message += " (the output's storage is full: free space or use a larger volume)"
-        failure = CheckpointWriteError(message)
+        failure = storage_failure(error, message, writing=True)
+        if failure is None:  # not storage (a bug, a planner's error): still not a complete checkpoint
+            failure = CheckpointWriteError(message)
         failure.__cause__ = save.error
         return failure
 
@@ -223,21 +264,13 @@ class CheckpointManager:
         save = self._current
         if save is not None and save.thread is not None and not save.thread.is_alive():
             self._join()
-        with self._lock:
-            done, self._completed = self._completed, []
+        done, self._completed = self._completed, []
         return done
 
     def wait(self) -> list[SaveRecord]:
         """Waits for the save in flight (if any); then as ``poll``."""
         self._join()
         return self.poll()
-
-    def in_flight(self) -> int | None:
-        """The step of the save still writing, if any."""
-        save = self._current
-        if save is None or save.thread is None or not save.thread.is_alive():
-            return None
-        return save.step
 
     def in_flight_at(self, moment: float) -> int | None:
         """The step of the save that was being made at monotonic time ``moment`` (staging or
@@ -268,18 +301,39 @@ class CheckpointManager:
                 )
         except (Exception, dcp.CheckpointException) as error:
             cause = root_cause(error)
-            if isinstance(cause, (OSError, PermissionError)):
-                raise CheckpointWriteError(
-                    f"{found.name} at {self.store.url(found.name)} could not be read: {_first_line(cause)}"
-                ) from error
+            where = self.store.url(found.name)
+            failure = storage_failure(
+                cause, f"{found.name} at {where} could not be read: {_first_line(cause)}", writing=False
+            )
+            if failure is None and not is_mismatch(cause):  # neither storage nor the model: restarted
+                failure = CheckpointReadError(
+                    f"{found.name} at {where} could not be loaded: {type(cause).__name__}: {_first_line(cause)}"
+                )
+            if failure is not None:
+                raise failure from error
             raise ConfigError(
-                f"{found.name} at {self.store.url(found.name)} does not fit this run's model and optimizer "
-                f"(was it saved by a run of another model, method or optimizer?): {_first_line(cause)}"
+                f"{found.name} at {where} does not fit this run's model and optimizer (was it saved by a "
+                f"run of another model, method or optimizer?): {_first_line(cause)}"
             ) from error
         host_memory.release()  # the read buffers
-        extras: dict[str, Any] = json.loads(self.store.read_text(found.name, layout.OPTIMIZER_EXTRAS))
-        self.newest_complete = found.step
+        with self._reading(found, layout.OPTIMIZER_EXTRAS):
+            extras: dict[str, Any] = json.loads(self.store.read_text(found.name, layout.OPTIMIZER_EXTRAS))
+        self.newest_complete = self.resumed_step = found.step
         return extras
+
+    @contextlib.contextmanager
+    def _reading(self, found: layout.Found, file_name: str) -> Iterator[None]:
+        """A storage failure reading one of ``found``'s files, as the run's error (failures.py)."""
+        try:
+            yield
+        except Exception as error:
+            where = self.store.url(found.name, file_name)
+            failure = storage_failure(
+                error, f"{where} could not be read: {_first_line(error)}", writing=False
+            )
+            if failure is None:
+                raise
+            raise failure from error
 
     def fetch_small_files(self, found: layout.Found, local_dir: str) -> str:
         """A local directory with the checkpoint's small files (where the Trainer reads its state): the
@@ -289,7 +343,8 @@ class CheckpointManager:
         target = os.path.join(local_dir, found.name)
         os.makedirs(target, exist_ok=True)
         for file_name in layout.SMALL_FILES:
-            self.store.get_file((found.name, file_name), os.path.join(target, file_name))
+            with self._reading(found, file_name):
+                self.store.get_file((found.name, file_name), os.path.join(target, file_name))
         return target
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 _WRAPPER = re.compile(r"(^|\.)_orig_module\.")
@@ -130,7 +130,3 @@ def stateful_tensors(model_state: Mapping[str, Any], optim_tensors: Mapping[str,
 def missing_optimizer_state(optimizer: Any) -> list[Any]:
     """Trainable parameters without optimizer state yet (before the first step, or never primed)."""
     return [p for group in optimizer.param_groups for p in group["params"] if p not in optimizer.state]
-
-
-def names_of(params: Iterable[Any], names: Mapping[int, str]) -> list[str]:
-    return [names.get(id(p), "?") for p in params]

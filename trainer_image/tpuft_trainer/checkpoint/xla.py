@@ -1,7 +1,8 @@
 """The PyTorch/XLA SPMD backend of the checkpoint manager: torch_xla's DCP planners, a staging copy
 of each process's own chunks, and optimizer priming.
 
-Staging: after the step's graph has run (``torch_xla.sync()`` + ``wait_device_ops``), every sharded
+Waiting for the device (``torch_xla.sync()`` + ``wait_device_ops``, ``wait_for_device``): the steps
+the training loop dispatched ahead run to their end. Staging, after it: every sharded
 tensor's *local* shards are copied to host memory, one chunk per distinct offset: a chunk that several
 of this host's devices hold (the ``data`` or ``tensor`` axes replicate some tensors) is copied once.
 That also keeps the checkpoint whole: torch_xla 2.9's ``dedup_tensors`` drops *every* copy of a
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpuft_trainer import compat
+from tpuft_trainer.checkpoint.backend import broadcast_over_default_group
 
 
 def _offsets(indices: Any) -> tuple[int, ...]:
@@ -53,13 +55,18 @@ class XlaBackend:
     def process_count(self) -> int:
         return self._process_count
 
-    def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        import torch
+    def wait_for_device(self) -> None:
+        # The loop runs ahead of the device: at a step boundary the step's graph (and maybe the one
+        # before) is dispatched but not finished. The device computes it meanwhile.
         import torch_xla
         import torch_xla.core.xla_model as xm
 
         torch_xla.sync()
         xm.wait_device_ops()
+
+    def stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        import torch
+
         return {key: self._stage_value(value, torch) for key, value in state.items()}
 
     def _stage_value(self, value: Any, torch: Any) -> Any:
@@ -97,6 +104,10 @@ class XlaBackend:
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def broadcast_object(self, value: Any) -> Any:
+        # The gloo group __init__ started (several processes) carries it, as it does DCP's plans.
+        return broadcast_over_default_group(value)
 
 
 def torch_xla_cpu(tensors: list[Any]) -> list[Any]:

@@ -54,7 +54,9 @@ def assistant_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[Span]
         if message.get("role") != "assistant":
             continue
         before = render(tokenizer, messages[:index], add_generation_prompt=True) if index else ""
-        through = render(tokenizer, messages[: index + 1])
+        # The last turn's rendering through it is the whole one (most conversations end with the
+        # assistant): one render fewer per conversation.
+        through = whole if index == len(messages) - 1 else render(tokenizer, messages[: index + 1])
         if not (whole.startswith(through) and through.startswith(before) and len(through) > len(before)):
             raise NotPrefixStable(f"turn {index}")
         spans.append((len(before), len(through)))

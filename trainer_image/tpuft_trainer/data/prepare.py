@@ -49,6 +49,19 @@ class Prepared:
     def has_eval(self) -> bool:
         return prepared.EVAL in self.manifest.splits
 
+    def check_fills_a_batch(self, global_batch: int, name: str) -> None:
+        """Every training batch must be full (one compiled shape; the Trainer drops a partial last one):
+        a set of fewer rows than one global batch is the user's error, said with its figures."""
+        train = self.manifest.splits[prepared.TRAIN]
+        if train.rows < global_batch:
+            packed = (
+                f" after packing {train.documents - train.dropped} documents" if self.manifest.packed else ""
+            )
+            raise DataError(
+                f"dataset {name} has {train.rows} rows{packed}, fewer than one global batch ({global_batch}); "
+                "every batch must be full (drop_last): add rows, or lower training.perDeviceBatchSize"
+            )
+
 
 def find_or_prepare(
     config: TrainerConfig, tokenizer: Any, *, workers: int = 1, publish: bool = True

@@ -78,11 +78,14 @@ def tokenizer_identity(tokenizer: Any) -> str:
     tokenizer's whole definition), special tokens, padding token and chat template."""
     digest = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(
-        backend.to_str().encode()
-        if backend is not None
-        else json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()
-    )
+    if backend is not None:
+        # Its truncation and padding are call-time state (a call with max_length sets them), not content.
+        definition = {
+            k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")
+        }
+    else:
+        definition = tokenizer.get_vocab()
+    digest.update(json.dumps(definition, sort_keys=True).encode())
     digest.update(
         json.dumps(
             {
