@@ -277,6 +277,9 @@ def test_a_preempted_training_run_queues_again_and_resumes_from_its_checkpoint(
         queueName="tpu",
         tpu={"type": "v5e", "topology": "2x2"},
         pod_annotations=kwok.hold_running("3s"),
+        # Its JobSet at once, as Kueue's preemption is what is tested: the other run, reading its
+        # prepared data, would finish its last 45 steps (~7 s) while this one prepared.
+        prepare={"enabled": False},
     )
     urgent["metadata"]["labels"] = {PRIORITY_LABEL: high}
     kueue.apply([urgent])
@@ -315,7 +318,8 @@ def test_suspending_a_queued_run_holds_it_in_kueue_until_resumed(
     kueue: LocalCluster, operator: OperatorProcess, namespace: str, queues: Queues, v5p_pools: list[str]
 ) -> None:
     queues.make(V5P.chips)
-    kueue.apply([finetune("busy", namespace, queueName="tpu", pod_annotations=kwok.hold_running("8s"))])
+    # Busy long enough for the other to prepare its data (~1-2 s on kwok), queue, and be suspended.
+    kueue.apply([finetune("busy", namespace, queueName="tpu", pod_annotations=kwok.hold_running("14s"))])
     wait_phase(kueue, namespace, "busy", "Running")
     kueue.apply([finetune("paused", namespace, queueName="tpu")])
     wait_queued(kueue, namespace, "paused", "InsufficientQuota")
