@@ -10,14 +10,15 @@ with that exit code instead (see `simulated_exit`), so tests can play a user err
 The prepare pods of runs (the CPU Job before the JobSet, render/prepare_job.py) carry the run's pod
 annotations too, so the TPU pods' simulations above are kept off them, and kwok's own pod-complete
 stage with them (a TPU pod held Running for a minute must not hold the data preparation as long):
-a prepare pod completes at once (exit 0, no termination message: the operator then knows the data
-is prepared without its figures), or with ``kwok.tpuft.dev/prepare-exit-code`` terminates with that
+a prepare pod starts and completes at once (exit 0, no termination message: the operator then knows
+the data is prepared without its figures), or with ``kwok.tpuft.dev/prepare-exit-code`` terminates with that
 code (`simulated_prepare_exit`). A prepare pod the executor runs (``tpuft.dev/run-on-host``) is left
 to the executor. They run on the CPU pool (`cpu_pool_nodes`), which `tpuft cluster up` creates.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,18 @@ def simulated_prepare_exit(exit_code: int, after: str = "1s") -> dict[str, str]:
     return {PREPARE_EXIT_CODE_ANNOTATION: str(exit_code), EXIT_DELAY_ANNOTATION: after}
 
 
+def _prepare_pod_create(upstream: dict[str, Any]) -> dict[str, Any]:
+    """kwok's pod-create stage for prepare pods alone, without its random delay (1-6 s): each run's
+    prepare pod is one more pod before its JobSet, and the suite creates runs one after another."""
+    stage = copy.deepcopy(upstream)
+    stage["metadata"]["name"] = "tpuft-prepare-pod-create"
+    stage["spec"]["selector"].setdefault("matchExpressions", []).append(
+        {"key": _COMPONENT, "operator": "In", "values": ["prepare"]}
+    )
+    stage["spec"]["delay"] = {"durationMilliseconds": 100}
+    return stage
+
+
 def stages_config(kwok_module_dir: Path) -> str:
     """kwok's --config: the upstream stages plus ours, as one multi-document YAML. kwok's pod-complete
     stage leaves the prepare pods to ours (see the module's docstring)."""
@@ -207,7 +220,9 @@ def stages_config(kwok_module_dir: Path) -> str:
         for doc in yaml.safe_load_all(path.read_text()):
             if not doc:
                 continue
-            if doc["metadata"]["name"] == "pod-complete":
+            if doc["metadata"]["name"] == "pod-create":
+                documents.append(_prepare_pod_create(doc))
+            if doc["metadata"]["name"] in ("pod-create", "pod-complete"):
                 doc["spec"]["selector"].setdefault("matchExpressions", []).append(NOT_A_PREPARE_POD)
             documents.append(doc)
     documents.extend(_OUR_STAGES)
