@@ -11,6 +11,15 @@ from tpuft_dev.cluster.local import LocalCluster
 
 T = TypeVar("T")
 
+# A label selector for a run's TPU pods: not its prepare Job's pod (render/prepare_job.py), which
+# carries the run's label too. Append it: f"tpuft.dev/finetune={name},{NOT_PREPARE}".
+NOT_PREPARE = "tpuft.dev/component!=prepare"
+
+
+def tpu_pods_of(name: str) -> str:
+    """The label selector of run ``name``'s TPU pods."""
+    return f"tpuft.dev/finetune={name},{NOT_PREPARE}"
+
 
 def wait_for(check: Callable[[], T | None], *, timeout: float, what: str, interval: float = 0.5) -> T:
     """Polls ``check`` until it returns something truthy; fails with ``what`` and the last value."""

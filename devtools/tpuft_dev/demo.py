@@ -2,13 +2,17 @@
 
     local cluster (real control plane, kwok TPU nodes)  ->  CRD + the chart's RBAC
     ->  operator (as the chart's ServiceAccount)  ->  kubectl apply examples/tiny-cpu-demo.yaml
+    ->  the prepare Job (CPU node pool): its pod's `tpuft prepare` runs on this host, tokenises and
+        packs the data once and checks the run (Preparing; status.data has the figures)
     ->  JobSet -> pod scheduled on a fake v5e 2x2 node -> the pod's `tpuft train` runs on this host
-        over 4 PJRT CPU devices (one per "chip") and reports progress into the resource's status
-    ->  Pending -> Running (live progress, eval loss) -> Succeeded  ->  the model reloads with
-        from_pretrained, and the loss curve (training and evaluation) is left at the output as a PNG
+        over 4 PJRT CPU devices (one per "chip"), reads the prepared data and reports progress into
+        the resource's status
+    ->  Preparing -> Pending -> Running (live progress, eval loss) -> Succeeded  ->  the model
+        reloads with from_pretrained, and the loss curve (training and evaluation) is left at the
+        output as a PNG
 
-Simulated: the TPU nodes (kwok) and the container runtime (the executor runs the pod's command on the
-host). Real: everything else. Ctrl-C cleans up.
+Simulated: the TPU and CPU nodes (kwok) and the container runtime (the executor runs the pods'
+commands on the host). Real: everything else. Ctrl-C cleans up.
 """
 
 from __future__ import annotations
@@ -109,6 +113,25 @@ def host_run(
     }
 
 
+def data_line(data: dict[str, Any]) -> str:
+    """status.data, as the demo prints it once the data is prepared."""
+    if "rows" not in data:
+        return "data prepared (no figures reported)"
+    share = data.get("lossTokenShare")
+    line = (
+        f"data: {data['rows']} rows from {data.get('documents')} documents "
+        f"({data.get('droppedDocuments', 0)} dropped), {data.get('evalRows', 0)} evaluation rows"
+    )
+    if share is not None:
+        line += f", {share:.0%} of the positions in the loss"
+    if data.get("stepsPerEpoch") is not None:
+        line += f"; {data['stepsPerEpoch']} steps an epoch"
+    if data.get("epochsCovered") is not None:
+        line += f", maxSteps covers {data['epochsCovered']} epochs"
+    how = "reused" if data.get("reused") else f"prepared in {data.get('preparedSeconds', 0):.1f} s"
+    return f"{line}; {how} ({data.get('fingerprint')})"
+
+
 def demo_resource() -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"]["namespace"] = NAMESPACE
@@ -165,7 +188,10 @@ def run(keep: bool = False) -> int:
     try:
         say("Bringing up the local cluster (real kube-apiserver, scheduler, JobSet; kwok TPU nodes)")
         cluster.up()
-        say("Adding a fake GKE TPU node pool: v5e, topology 2x2 (one host with 4 chips)")
+        say(
+            "Adding a fake GKE TPU node pool: v5e, topology 2x2 (one host with 4 chips); the CPU pool "
+            "where the data is prepared comes with the cluster"
+        )
         cluster.add_nodepool("v5e", "2x2", prefix="demo-v5e")
         print(
             cluster.kubectl(
@@ -198,12 +224,16 @@ def run(keep: bool = False) -> int:
         executor = LocalExecutor(cluster, NAMESPACE, workdir / "pods")
         executor.start()
 
-        say(f"kubectl apply -f {EXAMPLE.relative_to(REPO)}  (the pod's `tpuft train` will run on this host)")
+        say(
+            f"kubectl apply -f {EXAMPLE.relative_to(REPO)}  (its prepare pod's `tpuft prepare`, then its TPU "
+            "pod's `tpuft train`, will run on this host)"
+        )
         cluster.apply([demo_resource()], field_manager="kubectl")
         print(cluster.kubectl("get", "tpuft", "-n", NAMESPACE).stdout.splitlines()[0], flush=True)
         last_line = ""
         deadline = time.monotonic() + 900
         phase = ""
+        data_said = False
         while time.monotonic() < deadline:
             line = cluster.kubectl("get", "tpuft", "-n", NAMESPACE, "--no-headers").stdout.strip()
             items = json.loads(cluster.kubectl("get", "tpuft", "-n", NAMESPACE, "-o", "json").stdout)["items"]
@@ -217,6 +247,9 @@ def run(keep: bool = False) -> int:
             if line and line != last_line:
                 print(line, flush=True)
                 last_line = line
+            if status.get("data") and not data_said:
+                print(f"    {data_line(status['data'])}", flush=True)
+                data_said = True
             if phase in TERMINAL_PHASES:
                 break
             time.sleep(1)

@@ -4,7 +4,7 @@
 -- {status = "Healthy" | "Progressing" | "Suspended" | "Degraded" | "Unknown", message = "..."}.
 --
 -- status.phase is written by the tpuft operator only:
---   Pending, Queued, Running -> Progressing   (the run is on its way; the message says why it waits)
+--   Preparing, Pending, Queued, Running -> Progressing   (the run is on its way; the message says why it waits)
 --   Suspended                -> Suspended     (spec.suspend is true)
 --   Succeeded                -> Healthy       (training finished)
 --   Failed                   -> Degraded      (with the operator's message: exit code, restarts, field)
@@ -67,7 +67,7 @@ elseif phase == "Failed" then
 elseif phase == "Suspended" then
   hs.status = "Suspended"
   hs.message = message
-elseif phase == "Pending" or phase == "Queued" then
+elseif phase == "Preparing" or phase == "Pending" or phase == "Queued" then
   hs.status = "Progressing"
   hs.message = phase .. ": " .. message
 elseif phase == "Running" then

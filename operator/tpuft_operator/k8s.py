@@ -26,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from tpuft_operator.api.resources import (
     EVENT,
     FINETUNE,
+    JOB,
     JOBSET,
     NETWORK_POLICY,
     POD,
@@ -86,7 +87,7 @@ def _wrap(error: ApiException, what: str) -> ApiError:
 
 
 # Every kind the operator creates, and nothing else.
-KINDS = {r.kind: r for r in (JOBSET, SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY)}
+KINDS = {r.kind: r for r in (JOBSET, JOB, SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY)}
 MERGE_PATCH = "application/merge-patch+json"
 _TIMEOUT = urllib3.Timeout(total=60)
 
@@ -235,6 +236,23 @@ class Api:
             raise _wrap(
                 error, f"{'suspending' if suspend else 'resuming'} JobSet {namespace}/{name}"
             ) from error
+
+    def delete_job(self, namespace: str, name: str, *, uid: str | None = None) -> None:
+        """Deletes a Job and (in the background) its pods; only the one of ``uid`` when given, so a
+        newer Job of the same name is never hit. Gone already (404) or another (409): nothing to do."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+        }
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            self._call("DELETE", JOB.path(namespace, name), body)
+        except ApiException as error:
+            if error.status in (404, 409):
+                return
+            raise _wrap(error, f"deleting Job {namespace}/{name}") from error
 
     def patch_workload_active(self, namespace: str, name: str, active: bool) -> None:
         """Kueue's own way to hold a queued job: a Workload with spec.active=false is never admitted

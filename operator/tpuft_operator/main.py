@@ -14,13 +14,14 @@ import click
 import kopf
 from prometheus_client import start_http_server
 
-from tpuft_operator.api.resources import JOBSET, NODE, POD, WORKLOAD
+from tpuft_operator.api.resources import JOB, JOBSET, NODE, POD, WORKLOAD
 from tpuft_operator.handlers import build_registry
 from tpuft_operator.jobset_crd import CRD_NAME, InstalledJobSet, representative_jobsets
 from tpuft_operator.k8s import Api, load_client
 from tpuft_operator.pacing import WritePace
 from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL
+from tpuft_operator.render.prepare_job import COMPONENT_LABEL, PREPARE_COMPONENT
 from tpuft_operator.runtime import Runtime, api_connections
 from tpuft_operator.settings import OperatorSettings
 from tpuft_operator.topology import ACCELERATOR_LABEL
@@ -99,6 +100,10 @@ def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSetti
     # watch client reads the selectors from here), not every pod event of the whole cluster.
     for resource in (POD, JOBSET):
         kopf_settings.watching.label_selectors[resource.gvp] = FINETUNE_LABEL
+    # Of Jobs, only the runs' prepare Jobs (the JobSets' Jobs carry the run's label too).
+    kopf_settings.watching.label_selectors[JOB.gvp] = (
+        f"{FINETUNE_LABEL},{COMPONENT_LABEL}={PREPARE_COMPONENT}"
+    )
     kopf_settings.watching.label_selectors[NODE.gvp] = ACCELERATOR_LABEL  # only TPU nodes
     kopf_settings.peering.standalone = True
     if settings.namespaces:

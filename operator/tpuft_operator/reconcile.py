@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from tpuft_operator import maintenance, metrics, queueing, trainer_stack
+from tpuft_operator import maintenance, metrics, preparing, queueing, trainer_stack
 from tpuft_operator.api.models import Phase, TPUFineTune
 from tpuft_operator.api.policy import AdminPolicy, policy_errors
 from tpuft_operator.api.validation import FieldError, SpecError, parse_run
@@ -25,8 +25,10 @@ from tpuft_operator.goodput import parse_time
 from tpuft_operator.jobset_crd import NOT_INSTALLED, TOO_OLD, Shortfall
 from tpuft_operator.k8s import Api, ApiError, NameTaken, controller_uid
 from tpuft_operator.pacing import WritePace
+from tpuft_operator.preparing import PrepareSeen, Stage
 from tpuft_operator.render import RenderedRun, RenderSettings, naming, render_run
 from tpuft_operator.render.identity import namespace_objects
+from tpuft_operator.render.prepare_job import PREPARE_SUFFIX
 from tpuft_operator.runs import RefusalCheck, Render, RunBook, RunState
 from tpuft_operator.slim import slim_jobset
 from tpuft_operator.status import (
@@ -73,17 +75,34 @@ class Decision:
     set_suspend: bool | None = None  # merge-patch JobSet spec.suspend to this value
     # merge-patch the Kueue Workload's spec.active to this value (a queued run's spec.suspend)
     set_workload_active: bool | None = None
+    create_prepare_job: bool = False  # create (or adopt) the prepare Job (render/prepare_job.py)
+    delete_prepare_job: bool = False  # delete the prepare Job: it prepares for other data settings
 
 
-def decide(finetune: Obj, valid: bool, jobset: Obj | None, workload: Obj | None = None) -> Decision:
+def decide(
+    finetune: Obj,
+    valid: bool,
+    jobset: Obj | None,
+    workload: Obj | None = None,
+    prepare: PrepareSeen | None = None,
+) -> Decision:
     """``valid``: the spec renders (else nothing is created; the status says why). ``workload``:
-    Kueue's Workload of the JobSet, for a run with spec.queueName."""
+    Kueue's Workload of the JobSet, for a run with spec.queueName. ``prepare``: the run's data
+    preparation (None: spec.prepare.enabled is false): no JobSet before the data is prepared."""
     if not valid:
         return Decision()
     status = finetune.get("status") or {}
     if is_final(finetune, jobset):
         return Decision()  # finished runs are never restarted or recreated
     if jobset is None:
+        if prepare is not None and not preparing.is_prepared(finetune, prepare.settings_hash):
+            stage = prepare.state().stage
+            if stage is Stage.ABSENT:
+                return Decision(create_prepare_job=True)
+            if stage is Stage.STALE:
+                return Decision(delete_prepare_job=True)
+            if stage is not Stage.SUCCEEDED:
+                return Decision()  # preparing; or failed, which the status says (and then is final)
         return Decision(create=True, recreated=bool(status.get("jobSetName")))
     spec = finetune.get("spec") or {}
     want_suspended = bool(spec.get("suspend"))
@@ -112,6 +131,7 @@ def decide(finetune: Obj, valid: bool, jobset: Obj | None, workload: Obj | None 
 
 
 _EVENT_FOR_PHASE = {
+    Phase.PREPARING: ("Normal", "Preparing"),
     Phase.PENDING: ("Normal", "Pending"),
     Phase.QUEUED: ("Normal", "Queued"),
     Phase.SUSPENDED: ("Normal", "Suspended"),
@@ -136,6 +156,8 @@ class Created:
     """What creating (or adopting) a run's objects came to."""
 
     jobset: Obj | None = None
+    prepare_job: Obj | None = None  # the prepare Job created (or adopted)
+    prepare_refused: str | None = None  # why the apiserver did not create it (retried)
     name_taken: str | None = None  # another's object holds one of the run's names: the run fails
     error: ApiError | None = None  # retryable: the status says so and the resync retries
     # Nothing was tried: the cluster's JobSet is missing or too old (jobset_crd.py); the resync retries.
@@ -151,6 +173,8 @@ class Seen:
     pods: Sequence[Obj]
     nodes: Mapping[str, Obj]  # the nodes its pods run on, by name
     workload: Obj | None  # Kueue's Workload of its JobSet
+    prepare_job: Obj | None = None  # its prepare Job (preparing.slim_job)
+    prepare_pods: Sequence[Obj] = ()  # that Job's pods (not in ``pods``)
 
 
 class KeyedLocks(Generic[K]):
@@ -323,19 +347,25 @@ class Reconciler:
         event: EventSink,
         nodes: Mapping[str, Obj] | None = None,
         workload: Obj | None = None,
+        prepare_job: Obj | None = None,
         logger: Log | None = None,
     ) -> None:
         """One reconcile of run ``finetune`` from what the watches show of it: its ``jobset`` (None if
-        there is none), its ``pods``, the ``nodes`` they run on by name (for maintenance signals) and
-        Kueue's ``workload`` of its JobSet (queueing.py), if any."""
+        there is none), its ``pods`` (the TPU pods and its prepare Job's, told apart here), the
+        ``nodes`` they run on by name (for maintenance signals), Kueue's ``workload`` of its JobSet
+        (queueing.py), if any, and its ``prepare_job`` (render/prepare_job.py), if any."""
         log = logger or self.log
         if finetune["metadata"].get("deletionTimestamp"):
             return  # garbage collection removes what we made; nothing to do
         run = self.runs.of(finetune)
         started = time.perf_counter()
+        tpu_pods, prepare_pods = preparing.split_pods(pods)
+        if prepare_job is not None and controller_uid(prepare_job) != finetune["metadata"].get("uid"):
+            prepare_job = None  # another run's (a label collision): never acted on
+        seen = Seen(jobset, tpu_pods, nodes or {}, workload, prepare_job, prepare_pods)
         with run.lock:
             try:
-                self._reconcile(run, finetune, Seen(jobset, pods, nodes or {}, workload), event, log)
+                self._reconcile(run, finetune, seen, event, log)
                 metrics.RECONCILES.labels(result="ok").inc()
             except Exception:
                 metrics.RECONCILES.labels(result="error").inc()
@@ -348,8 +378,16 @@ class Reconciler:
         jobset = self._jobset_of_record(run, finetune, seen.jobset)
         desired = self._desired(run, finetune, objects_needed=jobset is None)
         workload = queueing.workload_of([seen.workload], jobset) if seen.workload is not None else None
-        decision = decide(finetune, desired.spec_error is None, jobset, workload)
+        prepare = self._prepare_seen(run, desired, seen)
+        decision = decide(finetune, desired.spec_error is None, jobset, workload, prepare)
         created = Created(jobset=jobset)
+        if decision.delete_prepare_job and prepare is not None and prepare.job is not None:
+            self._replace_prepare_job(finetune, prepare.job, event, log)
+            prepare = PrepareSeen(prepare.settings_hash)
+        if decision.create_prepare_job and desired.rendered is not None and prepare is not None:
+            created = self._create_prepare_job(run, finetune, desired, event, log)
+            if created.prepare_job is not None:
+                prepare = PrepareSeen(prepare.settings_hash, created.prepare_job, seen.prepare_pods)
         if decision.create and desired.rendered is not None:
             shortfall = self.jobset_shortfall()
             if shortfall is None:
@@ -366,7 +404,7 @@ class Reconciler:
         if jobset is not None:
             run.keep_only_shape()
         seen = Seen(jobset, seen.pods, seen.nodes, workload)
-        self._write_status(run, finetune, seen, desired, created, event, log)
+        self._write_status(run, finetune, seen, desired, created, event, log, prepare)
         if created.error is not None:
             raise created.error  # logged by the runtime; the resync retries
 
@@ -480,6 +518,77 @@ class Reconciler:
             return Created(jobset=jobset, error=error)
         return Created(jobset=jobset)
 
+    @staticmethod
+    def _prepare_seen(run: RunState, desired: Desired, seen: Seen) -> PrepareSeen | None:
+        """The run's preparation (None with spec.prepare.enabled false, or a spec that does not
+        render). Once the JobSet exists only the shape of the render is kept, and its data settings'
+        hash (RunState): the Job's figures are still read if the status does not have them yet (its
+        first status after the JobSet's creation waits for the pods: status settling)."""
+        rendered = desired.rendered
+        if rendered is not None:
+            return (
+                PrepareSeen(rendered.data_settings_hash, seen.prepare_job, seen.prepare_pods)
+                if rendered.prepare_job is not None
+                else None
+            )
+        if desired.spec_error is None and run.data_settings_hash is not None:
+            return PrepareSeen(run.data_settings_hash, seen.prepare_job, seen.prepare_pods)
+        return None
+
+    def _create_prepare_job(
+        self, run: RunState, finetune: Obj, desired: Desired, event: EventSink, log: Log
+    ) -> Created:
+        """Creates (or adopts) the run's prepare Job, after sending the create of the namespace's
+        trainer account its pod runs as (as for the JobSet: NamespaceIdentities)."""
+        rendered = desired.rendered
+        assert rendered is not None and rendered.prepare_job is not None
+        job = rendered.prepare_job
+        account = self.identities.send_account(self.api, run.key[0], self.log)
+        try:
+            live, created = self.api.create_or_adopt(job)
+            if account is not None:
+                account.result()  # its pod needs it: a failure is raised, and the resync retries
+        except NameTaken as taken:
+            log.warning("cannot create the prepare Job: %s; the run fails, the other is left alone", taken)
+            event("Warning", "NameTaken", f"{taken}; rename this TPUFineTune")
+            return Created(name_taken=str(taken))
+        except ApiError as error:
+            if error.status in (400, 422):
+                log.warning("the spec renders to a prepare Job the apiserver refuses: %s", error)
+                desired.rendered, desired.shape = None, None
+                # Rendered from the spec's volumes, env and resources as much as from spec.prepare.
+                desired.spec_error = (
+                    "spec",
+                    f"the apiserver refused an object rendered from this spec: {error}",
+                )
+                return Created()
+            # A quota on Jobs, a webhook, RBAC, the apiserver down: said in the status (ReplicaFailure,
+            # in the apiserver's words), and tried again at each reconcile until it is cured.
+            log.warning("cannot create the prepare Job yet: %s", error)
+            return Created(prepare_refused=str(error))
+        name = job["metadata"]["name"]
+        if created:
+            container = job["spec"]["template"]["spec"]["containers"][0]
+            requests = container["resources"]["requests"]
+            message = (
+                f"created Job {name} to prepare the data on CPU (cpu {requests['cpu']}, memory "
+                f"{requests['memory']}) before requesting {rendered.shape.chips} TPU chips"
+            )
+            log.info("%s", message)
+            event("Normal", "PrepareJobCreated", message)
+        else:
+            log.info("adopted existing prepare Job %s", name)
+        return Created(prepare_job=preparing.slim_job(live))
+
+    def _replace_prepare_job(self, finetune: Obj, job: Obj, event: EventSink, log: Log) -> None:
+        """Deletes a prepare Job of other data settings; its DELETED event brings the reconcile that
+        creates the new one (a create now could meet the old one still there, 409, and adopt it)."""
+        meta = job["metadata"]
+        self.api.delete_job(str(meta["namespace"]), str(meta["name"]), uid=meta.get("uid"))
+        message = f"the data settings changed: deleted prepare Job {meta['name']} to prepare again"
+        log.info("%s", message)
+        event("Normal", "PrepareJobReplaced", message)
+
     def _ensure_progress_identity(self, namespace: str, log: Log) -> None:
         """The namespace's progress Role and RoleBinding, once its run has a JobSet (see
         NamespaceIdentities), and its trainer account again if an earlier create failed (its pods
@@ -542,6 +651,7 @@ class Reconciler:
         created: Created,
         event: EventSink,
         log: Log,
+        prepare: PrepareSeen | None = None,
     ) -> None:
         """Derives the status from what was observed and done, patches it when it differs (unless the
         first status is settling, or its turn under the write pace has not come: pacing.py), posts
@@ -559,8 +669,10 @@ class Reconciler:
                     (created.shortfall.reason, created.shortfall.message) if created.shortfall else None
                 ),
                 name_taken=created.name_taken,
-                pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log),
+                pods_refused=self._pods_refused(run, finetune, jobset, pods, shape, log, prepare),
+                prepare_refused=created.prepare_refused,
                 workload=seen.workload,
+                prepare=prepare,
                 chips=shape.chips if shape else None,
                 hosts=shape.hosts if shape else None,
                 accelerator=shape.family.accelerator if shape else None,
@@ -611,7 +723,8 @@ class Reconciler:
         Pods usually start within a second or two of their JobSet; writing `Pending` and then
         `Running` would cost two writes (and two events) where one says the same. Only a plain
         Pending first status waits; errors and any later change are written at once."""
-        if run.created_at is None or current.get("phase") or derived.get("phase") != Phase.PENDING:
+        first = current.get("phase") in (None, Phase.PREPARING)  # the first since the JobSet's creation
+        if run.created_at is None or not first or derived.get("phase") != Phase.PENDING:
             return 0.0
         return max(0.0, run.created_at + self.status_settle_seconds - time.monotonic())
 
@@ -623,27 +736,24 @@ class Reconciler:
         pods: Sequence[Obj],
         shape: SliceShape | None,
         log: Log,
+        prepare: PrepareSeen | None = None,
     ) -> str | None:
-        """The apiserver's words for the run's pods it refused, while some are missing, else None.
+        """The apiserver's words for the run's pods it refused, while some are missing, else None: the
+        JobSet's, or before it the prepare Job's pod (``prepare``).
 
         The Job controller records a refused pod only as a FailedCreate Event on its Job (its status
         has no condition for it, pkg/controller/job), and retries with a backoff; the JobSet
         controller records a refused Job only as a JobCreationFailed Event on the JobSet. Nothing the
-        operator watches changes then, so while pods are missing it looks, once the JobSet is
-        REFUSAL_CHECK_AFTER seconds old and then at doubling intervals, and asks for the reconcile
-        that does (two Event lists of the namespace, filtered by the apiserver, per look)."""
-        missing = (
-            jobset is not None
-            and shape is not None
-            and not (jobset.get("spec") or {}).get("suspend")
-            and not is_final(finetune, jobset)
-            and len(current_pods(pods, jobset)) < shape.hosts
-        )
-        if not missing or jobset is None:
+        operator watches changes then, so while pods are missing it looks, once the JobSet (or the
+        prepare Job) is REFUSAL_CHECK_AFTER seconds old and then at doubling intervals, and asks for
+        the reconcile that does (two Event lists of the namespace, filtered by the apiserver, per look)."""
+        target = self._missing_pods(finetune, jobset, pods, shape, prepare)
+        if target is None:
             run.refusal = None
             return None
+        owner, refuses = target
         now = time.monotonic()
-        created = parse_time((jobset.get("metadata") or {}).get("creationTimestamp"))
+        created = parse_time((owner.get("metadata") or {}).get("creationTimestamp"))
         age = time.time() - created.timestamp() if created is not None else 0.0
         check = run.refusal or RefusalCheck(
             due=now + max(0.0, REFUSAL_CHECK_AFTER - age), wait=0.0, found=None
@@ -652,14 +762,13 @@ class Reconciler:
             run.refusal = check
             self._defer(run, check.due - now)
             return check.found
-        namespace, name = str(finetune["metadata"]["namespace"]), str(jobset["metadata"]["name"])
-        prefix = f"{name}-{naming.REPLICATED_JOB}-"
+        namespace = str(finetune["metadata"]["namespace"])
         try:
             listed = self.refusals.of(self.api, namespace)
         except ApiError as error:
             log.warning("cannot tell why the run's pods are missing: %s", error)
             listed = []
-        events = [e for e in listed if _refuses(e, jobset=name, job_prefix=prefix)]
+        events = [e for e in listed if refuses(e)]
         since = created.timestamp() if created is not None else 0.0
         recent = []
         for event in events:
@@ -677,6 +786,34 @@ class Reconciler:
         )
         self._defer(run, wait)
         return run.refusal.found
+
+    @staticmethod
+    def _missing_pods(
+        finetune: Obj,
+        jobset: Obj | None,
+        pods: Sequence[Obj],
+        shape: SliceShape | None,
+        prepare: PrepareSeen | None,
+    ) -> tuple[Obj, Callable[[Obj], bool]] | None:
+        """(the object whose pods are missing, which refusal Events are of it), or None when no pod
+        is missing: the JobSet's pods, or while there is no JobSet the prepare Job's pod."""
+        if is_final(finetune, jobset):
+            return None
+        if jobset is None:
+            job = prepare.job if prepare is not None else None
+            if job is None or prepare is None or prepare.state().stage is not Stage.RUNNING:
+                return None
+            if any(_alive(p) for p in prepare.pods):
+                return None
+            name = str(job["metadata"]["name"])
+            return job, lambda e: _refuses_prepare(e, job=name)
+        if shape is None or (jobset.get("spec") or {}).get("suspend"):
+            return None
+        if len(current_pods(pods, jobset)) >= shape.hosts:
+            return None
+        name = str(jobset["metadata"]["name"])
+        prefix = f"{name}-{naming.REPLICATED_JOB}-"
+        return jobset, lambda e: _refuses(e, jobset=name, job_prefix=prefix)
 
     def _request_checkpoints(
         self,
@@ -716,14 +853,27 @@ class Reconciler:
             log.info(
                 "phase %s -> %s: %s", current.get("phase") or "(new)", derived["phase"], derived["message"]
             )
-            # A new run's first Pending says nothing the JobSetCreated event did not: no Event (each is
-            # one more write to the API server per run; the benchmark showed those writes cost latency).
-            if current.get("phase") or derived["phase"] != Phase.PENDING:
+            # A new run's first Pending says nothing the JobSetCreated event did not, nor its first
+            # Preparing what PrepareJobCreated did: no Event (each is one more write to the API server
+            # per run; the benchmark showed those writes cost latency).
+            before = current.get("phase")
+            first = (before is None and derived["phase"] == Phase.PREPARING) or (
+                before in (None, Phase.PREPARING) and derived["phase"] == Phase.PENDING
+            )
+            if not first:
                 event(kind, reason, derived["message"])
         elif unschedulable:  # also a first status that is already unschedulable (status settling)
             log.warning("unschedulable: %s", derived["message"])
             event("Warning", "Unschedulable", derived["message"])
         _post_queue_events(current, derived, event, log)
+        prepared = _condition_of(derived, preparing.DATA_PREPARED)
+        if (
+            prepared is not None
+            and prepared["status"] == "True"
+            and _condition_status(current, preparing.DATA_PREPARED) != "True"
+        ):
+            log.info("data prepared: %s", prepared["message"])
+            event("Normal", preparing.DATA_PREPARED, str(prepared["message"]))
         waits = _condition_of(derived, "Created")
         if (
             waits is not None
@@ -850,12 +1000,26 @@ def _refuses(event: Obj, *, jobset: str, job_prefix: str) -> bool:
     return name == jobset if involved.get("kind") == "JobSet" else name.startswith(job_prefix)
 
 
+def _alive(pod: Obj) -> bool:
+    """Not being deleted and not finished (a retry's pod is what may be missing)."""
+    phase = (pod.get("status") or {}).get("phase")
+    return not (pod.get("metadata") or {}).get("deletionTimestamp") and phase not in ("Succeeded", "Failed")
+
+
+def _refuses_prepare(event: Obj, *, job: str) -> bool:
+    """Whether a refusal Event is of the run's prepare Job."""
+    involved = event.get("involvedObject") or {}
+    return involved.get("kind") == "Job" and involved.get("name") == job
+
+
 def _refusal_message(event: Obj) -> str:
-    what = (
-        "the JobSet controller cannot create the run's Jobs"
-        if (event.get("involvedObject") or {}).get("kind") == "JobSet"
-        else "the Job controller cannot create the run's pods"
-    )
+    involved = event.get("involvedObject") or {}
+    if involved.get("kind") == "JobSet":
+        what = "the JobSet controller cannot create the run's Jobs"
+    elif str(involved.get("name") or "").endswith(PREPARE_SUFFIX):
+        what = "the Job controller cannot create the run's prepare pod"
+    else:
+        what = "the Job controller cannot create the run's pods"
     return f"{what}: {event.get('message') or ''}"
 
 

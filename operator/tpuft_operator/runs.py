@@ -60,6 +60,9 @@ class RunState:
     # spec, and every pod and JobSet event reconciles the run; re-rendering for each cost ~15% of the CPU.
     render: Render | None = None
     render_generation: int = -1
+    # The hash of the data settings of that render when it has a prepare Job (render/prepare_job.py),
+    # kept when only the shape is: the prepare Job's outcome is read until the status says it.
+    data_settings_hash: str | None = None
     refusal: RefusalCheck | None = None
     # The run's turn for its next status patch (pacing.WritePace.reserve), taken when a patch had to
     # wait for it and kept until the patch is written or no longer needed.
@@ -88,6 +91,7 @@ class RunState:
 
     def keep_only_shape(self) -> None:
         if isinstance(self.render, RenderedRun):
+            self.data_settings_hash = self.render.data_settings_hash if self.render.prepare_job else None
             self.render = self.render.shape
 
     def finished(self) -> None:

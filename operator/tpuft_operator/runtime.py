@@ -34,7 +34,7 @@ from tpuft_operator.reconcile import Reconciler
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.render.naming import label_value
 from tpuft_operator.status import is_final
-from tpuft_operator.watches import FINETUNES, JOBSETS, NODES, PODS, WORKLOADS, Watches
+from tpuft_operator.watches import FINETUNES, JOBS, JOBSETS, NODES, PODS, WORKLOADS, Watches
 from tpuft_operator.workqueue import WorkQueue
 
 Key = tuple[str, str]  # (namespace, name) of a TPUFineTune
@@ -59,6 +59,7 @@ class Observation:
     pods: list[Slim]
     nodes: dict[str, Slim]  # the nodes its pods run on, by name
     workload: Mapping[str, Any] | None  # Kueue's Workload of its JobSet
+    prepare_job: Slim | None = None  # its prepare Job (render/prepare_job.py)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Views:
     pods: Mapping[Key, list[Slim]]
     nodes: Mapping[Key, list[Slim]] | None = None  # with --watch-nodes, by ("", node name)
     workloads: Mapping[Key, list[Slim]] | None = None  # Kueue's, by (namespace, JobSet name)
+    jobs: Mapping[Key, list[Slim]] | None = None  # the prepare Jobs
 
     def finetune(self, key: Key) -> Slim | None:
         store: list[Slim] = list(self.finetunes.get((key[0], label_value(key[1]))) or [])
@@ -98,6 +100,10 @@ class Views:
         if finetune is None:
             return None
         jobset = self.jobset_of(finetune)
+        jobs = list((self.jobs or {}).get((key[0], label_value(key[1]))) or [])
+        prepare_job = next(
+            (job for job in jobs if controller_uid(job) == finetune["metadata"].get("uid")), None
+        )
         pods = list(self.pods.get((key[0], label_value(key[1]))) or [])
         nodes: dict[str, Slim] = {}
         if self.nodes is not None:
@@ -109,7 +115,7 @@ class Views:
         if jobset is not None and self.workloads is not None:
             candidates = list(self.workloads.get((key[0], jobset["metadata"]["name"])) or [])
             workload = queueing.workload_of(candidates, jobset)
-        return Observation(finetune, jobset, pods, nodes, workload)
+        return Observation(finetune, jobset, pods, nodes, workload, prepare_job)
 
 
 # The longest a Normal Event waits for a burst of JobSet creation to end. A burst of 1000 runs lasts
@@ -237,7 +243,7 @@ class Runtime:
         self.queue = WorkQueue(waited=metrics.observe_queue_wait)
         self.events = EventPoster(post_event, wait_quiet=self.queue.wait_quiet, pace=pace)
         w = self.watches
-        self.views = Views(w.finetunes, w.jobsets, w.pods, w.nodes, w.workloads)
+        self.views = Views(w.finetunes, w.jobsets, w.pods, w.nodes, w.workloads, w.jobs)
         self.reconciler: Reconciler | None = None
         # The run of each JobSet, (namespace, JobSet name) -> run name: a Workload names only its JobSet.
         self._jobset_runs: dict[Key, str] = {}
@@ -262,6 +268,8 @@ class Runtime:
                 FINETUNES: self.on_finetune,
                 JOBSETS: lambda type_, obj: self.on_jobset(type_, *_name_and_labels(obj)),
                 PODS: lambda type_, obj: self.on_pod(str(obj["metadata"]["namespace"]), _labels(obj)),
+                # A prepare Job's change marks its run, as a pod's does.
+                JOBS: lambda type_, obj: self.on_pod(str(obj["metadata"]["namespace"]), _labels(obj)),
                 NODES: lambda type_, obj: self.on_node(type_, str(obj["metadata"]["name"]), obj),
                 WORKLOADS: lambda type_, obj: self.on_workload(str(obj["metadata"]["namespace"]), obj),
             },
@@ -375,6 +383,7 @@ class Runtime:
                 event=functools.partial(self.events, seen.finetune),
                 nodes=seen.nodes,
                 workload=seen.workload,
+                prepare_job=seen.prepare_job,
                 logger=logger,
             )
         except ApiError as error:

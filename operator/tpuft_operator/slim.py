@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpuft_operator.render.jobset import KUEUE_PRIORITY_CLASS_LABEL
+from tpuft_operator.render.prepare_job import COMPONENT_LABEL, JOB_UID_LABEL
 from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION, JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL
 from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
 
@@ -58,7 +59,9 @@ def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
     status = body.get("status") or {}
     meta = body.get("metadata") or {}
     labels = meta.get("labels") or {}
-    attempt_labels = {k: labels[k] for k in (JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL) if k in labels}
+    # The JobSet's attempt (status.current_pods), and for a prepare pod its component and its Job.
+    kept = (JOBSET_UID_LABEL, RESTART_ATTEMPT_LABEL, COMPONENT_LABEL, JOB_UID_LABEL)
+    attempt_labels = {k: labels[k] for k in kept if k in labels}
     request = (meta.get("annotations") or {}).get(CHECKPOINT_REQUEST_ANNOTATION)
     node = (body.get("spec") or {}).get("nodeName")
     return {

@@ -3,6 +3,10 @@
 The phase machine (one transition a line; "terminal" phases never change again):
 
     Failed     <- the spec is invalid (condition Valid=False names the field)
+    Preparing  <- no JobSet yet and the data is not prepared: the prepare Job (spec.prepare,
+                  preparing.py) runs on CPU; condition DataPrepared=False says how far it is
+    Failed     <- the prepare Job failed: a user error of the trainer (exit codes 64-78, its message
+                  names the field) or its retries or deadline ran out; no JobSet was ever created
     Suspended  <- spec.suspend is true
     Queued     <- spec.queueName is set and the JobSet is still suspended (Kueue has not admitted it,
                   or evicted it): the `Queued` condition says why, from Kueue's Workload (queueing.py)
@@ -34,8 +38,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from tpuft_operator import goodput, maintenance, queueing, trainer_stack
+from tpuft_operator import goodput, maintenance, preparing, queueing, trainer_stack
 from tpuft_operator.api.models import TERMINAL_PHASES, Phase
+from tpuft_operator.preparing import DATA_PREPARED, PrepareSeen, Stage
 from tpuft_trainer.exit_codes import ExitCode, is_user_error
 
 Obj = Mapping[str, Any]
@@ -63,6 +68,11 @@ class Observed:
     pods_refused: str | None = None
     # Kueue's Workload of the JobSet (queueing.slim_workload), for a run with spec.queueName.
     workload: Obj | None = None
+    # The run's data preparation (preparing.py): None when spec.prepare.enabled is false or the spec
+    # does not render.
+    prepare: PrepareSeen | None = None
+    # The apiserver refused the run's prepare Job (a quota on Jobs, a webhook): its words.
+    prepare_refused: str | None = None
     chips: int | None = None
     hosts: int | None = None
     accelerator: str | None = None
@@ -148,7 +158,7 @@ def current_pods(pods: Sequence[Obj], jobset: Obj | None) -> list[Obj]:
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        if meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp") or preparing.is_prepare_pod(pod):
             continue
         if uid and labels.get(JOBSET_UID_LABEL, uid) != uid:
             continue
@@ -204,6 +214,8 @@ def _derive_phase(obs: Observed) -> _Derived:
         message = f"{path}: {reason}"
         return _Derived(Phase.FAILED, "InvalidSpec", message, {"Valid": ("False", "InvalidSpec", message)})
     valid = {"Valid": ("True", "SpecValid", "the spec renders to a JobSet")}
+    if not ((spec.get("prepare") or {}).get("enabled", True)):
+        valid[DATA_PREPARED] = ("False", "OnTpuHosts", ON_TPU_HOSTS_MESSAGE)
     if obs.name_taken is not None and not is_final(obs.finetune, None):
         message = (
             f"name taken: {obs.name_taken}; nothing of it was touched. Rename this TPUFineTune "
@@ -219,6 +231,52 @@ def _derive_phase(obs: Observed) -> _Derived:
         status = obs.finetune.get("status") or {}
         return _Derived(str(previous_phase), "Finished", status.get("message") or "", {})
     jobset = obs.jobset
+    prepare = obs.prepare
+    if prepare is not None and not preparing.is_prepared(obs.finetune, prepare.settings_hash):
+        state = prepare.state()
+        if state.stage is Stage.SUCCEEDED:
+            reused = state.summary is not None and state.summary.reused
+            valid[DATA_PREPARED] = ("True", "Reused" if reused else "Prepared", state.message)
+        elif jobset is None and state.stage is Stage.FAILED:
+            failed = ("False", state.reason, state.message)
+            return _Derived(
+                Phase.FAILED,
+                state.reason,
+                state.message,
+                {**valid, DATA_PREPARED: failed, "Failed": ("True", state.reason, state.message)},
+            )
+        elif jobset is None and obs.prepare_refused is not None and state.stage is Stage.ABSENT:
+            message = f"the operator cannot create the run's prepare Job, retrying: {obs.prepare_refused}"
+            return _Derived(
+                Phase.PREPARING,
+                "FailedCreate",
+                message,
+                {
+                    **valid,
+                    DATA_PREPARED: ("False", "Preparing", message),
+                    "ReplicaFailure": ("True", "FailedCreate", message),
+                },
+            )
+        elif jobset is None and obs.pods_refused is not None:
+            message = obs.pods_refused  # the prepare pod, refused (PodSecurity, a quota, a webhook)
+            return _Derived(
+                Phase.PREPARING,
+                "FailedCreate",
+                message,
+                {
+                    **valid,
+                    DATA_PREPARED: ("False", "Preparing", message),
+                    "ReplicaFailure": ("True", "FailedCreate", message),
+                },
+            )
+        elif jobset is None:
+            return _Derived(
+                Phase.PREPARING,
+                "Preparing",
+                state.message,
+                {**valid, DATA_PREPARED: ("False", "Preparing", state.message)},
+            )
+        # (A JobSet made before reads the data it was rendered with: nothing to say then.)
     if jobset is None:
         if obs.jobset_shortfall is not None:
             reason, message = obs.jobset_shortfall
@@ -324,6 +382,32 @@ def _derive_phase(obs: Observed) -> _Derived:
     return _Derived(Phase.PENDING, "Starting", message, {**valid, **not_suspended})
 
 
+ON_TPU_HOSTS_MESSAGE = (
+    "spec.prepare.enabled is false: each TPU host prepares the data when it starts (on the TPUs' time)"
+)
+
+
+def _data(obs: Observed, previous: Obj, chips: int | None) -> dict[str, Any] | bool | None:
+    """status.data: new figures (the prepare Job succeeded for figures not yet written), None to remove
+    figures of other data settings, or False to leave it as it is."""
+    prepare = obs.prepare
+    if prepare is None:
+        return False
+    before = previous.get("data") or {}
+    if before.get("settingsHash") == prepare.settings_hash:
+        return False  # written once: the Job (or its pod) may be gone later
+    state = prepare.state()
+    if state.stage is Stage.SUCCEEDED:
+        spec = obs.finetune.get("spec") or {}
+        return preparing.data_status(
+            state.summary,
+            prepare.settings_hash,
+            global_batch=global_batch(spec, chips) if chips else None,
+            max_steps=(spec.get("training") or {}).get("maxSteps"),
+        )
+    return None if before else False
+
+
 def _skipped_message(skipped: Sequence[Obj], resumed: Any) -> str:
     """E.g. the trainer skipped checkpoint-8 (shard __0_0.distcp is missing) and resumed from step 4."""
     named = []
@@ -393,7 +477,7 @@ def _warnings(obs: Observed, previous: Obj) -> dict[str, tuple[str, str, str]]:
         # Why creating it failed (ApiError, JobSetTooOld, ...) is over once the JobSet exists.
         name = obs.jobset["metadata"]["name"]
         wanted["Created"] = ("True", "JobSetCreated", f"created JobSet {name}")
-    if obs.pods_refused is None and "ReplicaFailure" in was_true:
+    if obs.pods_refused is None and obs.prepare_refused is None and "ReplicaFailure" in was_true:
         wanted["ReplicaFailure"] = ("False", "PodsCreated", "the apiserver accepts the run's pods")
     progress = previous.get("progress") or {}
     save = progress.get("lastCheckpoint") or {}
@@ -505,6 +589,9 @@ def derive_status(obs: Observed) -> dict[str, Any]:
         status["globalBatch"] = global_batch((obs.finetune.get("spec") or {}), obs.chips)
     if obs.hosts is not None:
         status["hosts"] = obs.hosts
+    data = _data(obs, previous, obs.chips) if derived.reason != "Finished" else False
+    if data is not False:
+        status["data"] = data
     if obs.jobset is not None:
         status["jobSetName"] = obs.jobset["metadata"]["name"]
         # The larger: a count raised by hand sticks. Found by the fault suite: with the JobSet's own

@@ -1,4 +1,4 @@
-"""The operator's three busy watches (TPUFineTunes, their JobSets, their pods) on kopf's watch client,
+"""The operator's busy watches (TPUFineTunes, their JobSets, prepare Jobs and pods) on kopf's watch client,
 without kopf's per-object processing.
 
 kopf turns every watch event into a per-object task that recalls the object's memory, builds three
@@ -29,7 +29,7 @@ import kopf
 from kopf._cogs.clients import errors, watching
 from kopf._cogs.structs import references
 
-from tpuft_operator import maintenance, queueing
+from tpuft_operator import maintenance, preparing, queueing
 from tpuft_operator.api import resources
 from tpuft_operator.render.jobset import FINETUNE_LABEL
 from tpuft_operator.render.naming import label_value
@@ -92,6 +92,9 @@ def _workload_key(obj: Mapping[str, Any]) -> Key | None:
 FINETUNES = Kind(_resource(resources.FINETUNE), _run_key, slim_finetune)
 JOBSETS = Kind(_resource(resources.JOBSET), _owner_key, slim_jobset)
 PODS = Kind(_resource(resources.POD), _owner_key, slim_pod)
+# The runs' prepare Jobs (render/prepare_job.py; server-side selector on their component label,
+# main.configure_kopf: the JobSets' own Jobs carry the run's label too).
+JOBS = Kind(_resource(resources.JOB), _owner_key, preparing.slim_job)
 # The TPU nodes (server-side selector on the accelerator label, main.configure_kopf): their
 # maintenance signals (--watch-nodes). Cluster-scoped, keyed ("", name).
 NODES = Kind(_resource(resources.NODE, namespaced=False), _node_key, maintenance.slim_node)
@@ -150,7 +153,8 @@ class Store(Mapping[Key, list[Slim]]):
 
 
 class Watches:
-    """The watches, for all namespaces or for each of ``namespaces``: the runs, their JobSets and pods,
+    """The watches, for all namespaces or for each of ``namespaces``: the runs, their JobSets, prepare
+    Jobs and pods,
     and with ``nodes`` / ``workloads`` the TPU nodes and Kueue's Workloads. `listed` is set once every
     watch of a required kind has delivered its first listing (before that a reconcile could see a
     run's JobSet as missing only because it was not listed yet)."""
@@ -159,16 +163,16 @@ class Watches:
         self, namespaces: tuple[str, ...] = (), *, nodes: bool = False, workloads: bool = False
     ) -> None:
         self.namespaces: list[str | None] = list(namespaces) or [None]
-        self.finetunes, self.jobsets, self.pods = Store(), Store(), Store()
+        self.finetunes, self.jobsets, self.pods, self.jobs = Store(), Store(), Store(), Store()
         self.nodes = Store() if nodes else None
         self.workloads = Store() if workloads else None
         self.listed = threading.Event()
-        self._pending = 3 * len(self.namespaces)
+        self._pending = 4 * len(self.namespaces)
         self._tasks: list[asyncio.Task[None]] = []
 
     def kinds(self) -> list[tuple[Kind, Store, list[str | None]]]:
         """Each watched kind, its store and the namespaces it is watched in (None: cluster-wide)."""
-        kinds = [(FINETUNES, self.finetunes), (JOBSETS, self.jobsets), (PODS, self.pods)]
+        kinds = [(FINETUNES, self.finetunes), (JOBSETS, self.jobsets), (JOBS, self.jobs), (PODS, self.pods)]
         out = [(kind, store, self.namespaces) for kind, store in kinds]
         if self.workloads is not None:
             out.append((WORKLOADS, self.workloads, self.namespaces))

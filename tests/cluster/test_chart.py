@@ -33,6 +33,8 @@ NAMESPACED = {
     "tpufinetunes.tpuft.dev": {"list", "watch"},
     "tpufinetunes.tpuft.dev/status": {"get", "patch", "operate"},
     "jobsets.jobset.x-k8s.io": {"get", "list", "watch", "create", "patch"},
+    # The prepare Job; delete: only when the run's data settings changed (it is made again).
+    "jobs.batch": {"get", "list", "watch", "create", "delete"},
     "pods": {"list", "watch", "patch"},  # patch: only the checkpoint-request annotation (maintenance)
     "serviceaccounts": {"get", "create"},
     "roles.rbac.authorization.k8s.io": {"get", "create"},
@@ -581,6 +583,7 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(
             ("create", "customresourcedefinitions.apiextensions.k8s.io"),
             ("get", "customresourcedefinitions.apiextensions.k8s.io/tpufinetunes.tpuft.dev"),
             ("patch", "customresourcedefinitions.apiextensions.k8s.io/jobsets.jobset.x-k8s.io"),
+            ("patch", "jobs.batch", "-n", "default"),
             ("patch", "nodes"),
             ("delete", "nodes"),
             ("create", "pods", "--subresource=eviction", "-n", "default"),

@@ -54,7 +54,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TEST_CLUSTER, session_cluster
-from tests.support import finetune, get_json, wait_for
+from tests.support import NOT_PREPARE, finetune, get_json, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.cluster.operator_process import OperatorProcess, install_operator
@@ -342,7 +342,7 @@ class Ledger:
     def pods_by_run(self) -> dict[str, dict[str, Any]]:
         """The live pod of every run (one host each)."""
         pods: dict[str, list[dict[str, Any]]] = {}
-        for pod in get_json(self.cluster, "pods", "-n", NAMESPACE)["items"]:
+        for pod in get_json(self.cluster, "pods", "-n", NAMESPACE, "-l", NOT_PREPARE)["items"]:
             if not pod["metadata"].get("deletionTimestamp"):
                 pods.setdefault(pod["metadata"]["labels"].get(LABEL, "?"), []).append(pod)
         for run, live in pods.items():

@@ -28,7 +28,7 @@ from tests.e2e.conftest import OperatorProcess
 from tests.e2e.test_operator_lifecycle import events
 from tests.e2e.test_progress import tiny_run
 from tests.e2e.test_stops import Host, complete_checkpoints, host_on_this_machine, pod_logs, step_of
-from tests.support import condition, finetune, get_json, wait_for
+from tests.support import condition, finetune, get_json, tpu_pods_of, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator import topology
@@ -191,7 +191,7 @@ def workload_of(cluster: LocalCluster, namespace: str, jobset: str) -> dict[str,
 
 
 def run_pods(cluster: LocalCluster, namespace: str, name: str) -> list[dict[str, Any]]:
-    return list(get_json(cluster, "pods", "-n", namespace, "-l", f"tpuft.dev/finetune={name}")["items"])
+    return list(get_json(cluster, "pods", "-n", namespace, "-l", tpu_pods_of(name))["items"])
 
 
 def test_two_runs_that_each_need_the_whole_quota_run_one_after_the_other(
@@ -199,7 +199,16 @@ def test_two_runs_that_each_need_the_whole_quota_run_one_after_the_other(
 ) -> None:
     cluster_queue = queues.make(V5P.chips)
     hold = {"podAnnotations": kwok.hold_running("12s")}
-    kueue.apply([finetune("first", namespace, queueName="tpu", **hold)])
+    # The first prepares its data for 3 s first: no JobSet, so nothing for Kueue to admit (no
+    # Workload), and its prepare Job carries no queue label (it holds no TPU).
+    preparing = {"podAnnotations": {**kwok.hold_running("12s"), **kwok.hold_prepare("3s")}}
+    kueue.apply([finetune("first", namespace, queueName="tpu", **preparing)])
+    wait_phase(kueue, namespace, "first", "Preparing", timeout=30)
+    assert not get_json(kueue, "workloads.kueue.x-k8s.io", "-n", namespace)["items"]
+    assert not get_json(kueue, "jobsets", "-n", namespace)["items"]
+    job = get_json(kueue, "job", "first-prepare", "-n", namespace)
+    assert "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]
+    assert not job["spec"].get("suspend")  # Kueue left it alone (it would suspend a job it manages)
     wait_phase(kueue, namespace, "first", "Running")
     kueue.apply([finetune("second", namespace, queueName="tpu", **hold)])
     second = wait_queued(kueue, namespace, "second", "InsufficientQuota")
@@ -268,6 +277,9 @@ def test_a_preempted_training_run_queues_again_and_resumes_from_its_checkpoint(
         queueName="tpu",
         tpu={"type": "v5e", "topology": "2x2"},
         pod_annotations=kwok.hold_running("3s"),
+        # Its JobSet at once, as Kueue's preemption is what is tested: the other run, reading its
+        # prepared data, would finish its last 45 steps (~7 s) while this one prepared.
+        prepare={"enabled": False},
     )
     urgent["metadata"]["labels"] = {PRIORITY_LABEL: high}
     kueue.apply([urgent])
@@ -306,7 +318,8 @@ def test_suspending_a_queued_run_holds_it_in_kueue_until_resumed(
     kueue: LocalCluster, operator: OperatorProcess, namespace: str, queues: Queues, v5p_pools: list[str]
 ) -> None:
     queues.make(V5P.chips)
-    kueue.apply([finetune("busy", namespace, queueName="tpu", pod_annotations=kwok.hold_running("8s"))])
+    # Busy long enough for the other to prepare its data (~1-2 s on kwok), queue, and be suspended.
+    kueue.apply([finetune("busy", namespace, queueName="tpu", pod_annotations=kwok.hold_running("14s"))])
     wait_phase(kueue, namespace, "busy", "Running")
     kueue.apply([finetune("paused", namespace, queueName="tpu")])
     wait_queued(kueue, namespace, "paused", "InsufficientQuota")

@@ -3,6 +3,7 @@ scheduler, garbage collector and kwok TPU nodes. The operator runs as the chart'
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_SETTINGS, SERVICE_ACCOUNT, OperatorProcess
-from tests.support import condition, finetune, get_json, wait_for
+from tests.support import NOT_PREPARE, condition, finetune, get_json, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator import topology
@@ -60,8 +61,27 @@ def v5p_pool(local_cluster: LocalCluster) -> list[str]:
 def test_apply_to_succeeded_with_the_rendered_jobset(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, v5p_pool: list[str]
 ) -> None:
-    body = finetune("llama", namespace, pod_annotations=HOLD_RUNNING)
+    body = finetune("llama", namespace, pod_annotations={**HOLD_RUNNING, **kwok.hold_prepare("3s")})
     local_cluster.apply([body])
+
+    # First the data, on CPU: the prepare Job runs and no JobSet (no TPU) is asked for meanwhile.
+    preparing = wait_phase(local_cluster, namespace, "llama", "Preparing", timeout=30)
+    assert condition(preparing, "DataPrepared")["status"] == "False"  # type: ignore[index]
+    assert not jobsets(local_cluster, namespace)
+    expected = render_run(
+        {**body, "metadata": {**body["metadata"], "uid": preparing["metadata"]["uid"]}},
+        OPERATOR_SETTINGS.render_settings(),
+    )
+    assert expected.prepare_job is not None
+    job = get_json(local_cluster, "job", "llama-prepare", "-n", namespace)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (rendered,) = expected.prepare_job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == rendered["command"] and container["resources"] == rendered["resources"]
+    assert job["spec"]["podFailurePolicy"] == expected.prepare_job["spec"]["podFailurePolicy"]
+    assert job["metadata"]["ownerReferences"][0]["uid"] == preparing["metadata"]["uid"]
+    (prepare_pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", "job-name=llama-prepare")["items"]
+    assert prepare_pod["spec"]["nodeName"].startswith(f"gke-{kwok.CPU_POOL}-")  # the CPU pool, no TPU
+    assert topology.TPU_RESOURCE not in json.dumps(prepare_pod["spec"])
 
     running = wait_phase(local_cluster, namespace, "llama", "Running")
     status = running["status"]
@@ -73,11 +93,14 @@ def test_apply_to_succeeded_with_the_rendered_jobset(
 
     # The JobSet is exactly what `tpuft render` prints: the webhooks defaulted nothing (no drift).
     live = get_json(local_cluster, "jobset", "llama", "-n", namespace)
-    expected = render_run(
-        {**body, "metadata": {**body["metadata"], "uid": running["metadata"]["uid"]}},
-        OPERATOR_SETTINGS.render_settings(),
-    )
     assert live["spec"] == expected.jobset["spec"]
+    # The JobSet came once the Job had completed; the run says the data is prepared, for which settings.
+    job = get_json(local_cluster, "job", "llama-prepare", "-n", namespace)
+    assert condition(job, "Complete")["status"] == "True"  # type: ignore[index]
+    assert live["metadata"]["creationTimestamp"] >= job["status"]["completionTime"]
+    prepared = condition(running, "DataPrepared")
+    assert prepared is not None and (prepared["status"], prepared["reason"]) == ("True", "Prepared")
+    assert status["data"]["settingsHash"] == expected.data_settings_hash
     assert live["metadata"]["ownerReferences"][0]["uid"] == running["metadata"]["uid"]
     pods = get_json(local_cluster, "pods", "-n", namespace, "-l", "jobset.sigs.k8s.io/jobset-name=llama")[
         "items"
@@ -100,7 +123,8 @@ def test_apply_to_succeeded_with_the_rendered_jobset(
     done = wait_phase(local_cluster, namespace, "llama", "Succeeded", timeout=120)
     assert done["status"]["completionTime"] >= done["status"]["startTime"]
     reasons = [reason for reason, _ in events(local_cluster, namespace, "llama")]
-    assert {"JobSetCreated", "Running", "Succeeded"} <= set(reasons)
+    assert {"PrepareJobCreated", "DataPrepared", "JobSetCreated", "Running", "Succeeded"} <= set(reasons)
+    assert reasons.index("PrepareJobCreated") <= reasons.index("JobSetCreated")
 
 
 def test_a_spot_run_on_ironwood_is_warned_at_its_start_of_its_save_and_its_trainer_stack(
@@ -240,7 +264,8 @@ def test_suspend_and_resume(
     wait_phase(local_cluster, namespace, "pausable", "Suspended")
     assert get_json(local_cluster, "jobset", "pausable", "-n", namespace)["spec"]["suspend"] is True
     time.sleep(2)
-    assert not get_json(local_cluster, "pods", "-n", namespace)["items"]
+    # (The prepare Job ran meanwhile: it holds no TPU, so spec.suspend does not hold it.)
+    assert not get_json(local_cluster, "pods", "-n", namespace, "-l", NOT_PREPARE)["items"]
 
     local_cluster.kubectl(
         "patch", "tpuft", "pausable", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
@@ -266,6 +291,7 @@ def test_delete_cascades_to_everything_the_run_created(
     assert all(
         get_json(local_cluster, k, "-n", namespace, "-l", selector)["items"] for k in ("jobsets", "jobs")
     )
+    assert get_json(local_cluster, "job", "doomed-prepare", "-n", namespace)["metadata"]["uid"]
     local_cluster.kubectl("delete", "tpuft", "doomed", "-n", namespace, "--wait=true", "--timeout=30s")
     wait_for(
         lambda: (
@@ -294,6 +320,8 @@ def test_deleted_jobset_is_recreated_while_active_but_not_after_completion(
         what="the operator to recreate the JobSet",
     )
     assert recreated["metadata"]["name"] == "fragile"
+    # The data prepared for it is reused: no second prepare Job.
+    assert [r for r, _ in events(local_cluster, namespace, "fragile")].count("PrepareJobCreated") == 1
     # Events are posted by their own threads (runtime.EventPoster): a moment after the JobSet.
     wait_for(
         lambda: "JobSetRecreated" in {reason for reason, _ in events(local_cluster, namespace, "fragile")},
@@ -388,6 +416,7 @@ def test_operator_permissions_are_the_charts(local_cluster: LocalCluster, operat
         return result.stdout.strip() == "yes"
 
     assert can("create", "jobsets.jobset.x-k8s.io", "-n", "default")
+    assert can("create", "jobs.batch", "-n", "default")  # the prepare Job
     assert can("patch", "tpufinetunes.tpuft.dev", "--subresource=status", "-n", "default")
     assert not can("get", "secrets", "-A")
     assert not can("create", "pods", "-n", "default")

@@ -42,7 +42,7 @@ from tests.e2e.conftest import (
     OPERATOR_SETTINGS,
     OperatorProcess,
 )
-from tests.support import condition, finetune, get_json, wait_for
+from tests.support import NOT_PREPARE, condition, finetune, get_json, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.cluster.operator_process import ADMIN_POLICY, install_operator, operator_env
@@ -210,18 +210,40 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
         ), stderr
     assert not get_json(local_cluster, "tpuft", "-n", namespace)["items"]
 
-    # By default trainer pods meet the restricted standard: the apiserver admits them there.
-    local_cluster.apply([finetune("pss", restricted), finetune("quota", quota), finetune("jobs", no_jobs)])
-    (pod, *_) = wait_for(
-        lambda: get_json(local_cluster, "pods", "-n", restricted, "-l", "tpuft.dev/finetune=pss")["items"],
-        timeout=60,
-        what="the run's pods in the namespace enforcing restricted",
+    # By default trainer pods meet the restricted standard: the apiserver admits them there, the
+    # prepare pod first (with the run's identity and security context: the same rules hold for it).
+    # In the namespace that allows no Job, one run prepares on its TPU hosts (the JobSet controller's
+    # Jobs are refused) and the other's prepare Job is refused to the operator itself.
+    local_cluster.apply(
+        [
+            finetune("pss", restricted),
+            finetune("quota", quota),
+            finetune("jobs", no_jobs, prepare={"enabled": False}),
+            finetune("prepare-job", no_jobs),
+        ]
     )
-    security = pod["spec"]["securityContext"]
-    assert security["runAsNonRoot"] is True and security["runAsUser"] == 1000
-    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
-    container = pod["spec"]["containers"][0]["securityContext"]
-    assert container["capabilities"] == {"drop": ["ALL"]} and container["allowPrivilegeEscalation"] is False
+    pods = wait_for(
+        lambda: (
+            len(
+                found := get_json(local_cluster, "pods", "-n", restricted, "-l", "tpuft.dev/finetune=pss")[
+                    "items"
+                ]
+            )
+            >= 2
+            and found
+        ),
+        timeout=60,
+        what="the run's prepare pod and TPU pod in the namespace enforcing restricted",
+    )
+    assert {p["metadata"]["labels"].get("tpuft.dev/component") for p in pods} >= {"prepare", None}
+    for pod in pods:
+        security = pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] == 1000
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+        container = pod["spec"]["containers"][0]["securityContext"]
+        assert (
+            container["capabilities"] == {"drop": ["ALL"]} and container["allowPrivilegeEscalation"] is False
+        )
     # Pods the apiserver refuses: the run says so, in the apiserver's words, within seconds.
     seconds, over = refused_within(local_cluster, "quota", quota)
     assert "exceeded quota: no-tpus" in over["message"] and seconds < 15, over
@@ -229,6 +251,12 @@ def test_defaults_refuse_every_attack_at_apply_and_say_why_refused_pods_never_co
     seconds, jobs = refused_within(local_cluster, "jobs", no_jobs)
     assert jobs["message"].startswith("the JobSet controller cannot create the run's Jobs: "), jobs
     assert "exceeded quota: no-jobs" in jobs["message"] and seconds < 15, jobs
+    seconds, prepare = refused_within(local_cluster, "prepare-job", no_jobs)
+    assert prepare["message"].startswith("the operator cannot create the run's prepare Job, retrying: "), (
+        prepare
+    )
+    assert "exceeded quota: no-jobs" in prepare["message"] and seconds < 15, prepare
+    assert status(local_cluster, "prepare-job", no_jobs)["phase"] == "Preparing"
     assert condition({"status": status(local_cluster, "pss", restricted)}, "ReplicaFailure") is None
     events = get_json(
         local_cluster,
@@ -360,18 +388,21 @@ def test_admins_loosen_each_rule_and_the_loosened_runs_work(
     big_status = status(local_cluster, big, namespace)
     assert big_status["phase"] == "Pending" and big_status["chips"] == 512, big_status
     assert condition({"status": big_status}, "Valid")["status"] == "True"  # type: ignore[index]
+    # Its prepare pod is the first the apiserver refuses (root, like the TPU pods): no JobSet comes.
     seconds, pss = refused_within(local_cluster, "pss-root", restricted)
+    assert pss["message"].startswith("the Job controller cannot create the run's prepare pod: "), pss
     assert 'violates PodSecurity "restricted:latest"' in pss["message"], pss
     assert "runAsNonRoot" in pss["message"] and pss["reason"] == "FailedCreate"
     assert seconds < 15, f"took {seconds:.1f}s"
-    assert status(local_cluster, "pss-root", restricted)["phase"] == "Pending"
+    assert status(local_cluster, "pss-root", restricted)["phase"] == "Preparing"
+    assert not get_json(local_cluster, "jobsets", "-n", restricted)["items"]
     seconds, host = refused_within(local_cluster, "pss-host-network", baseline)
     assert 'violates PodSecurity "baseline:latest"' in host["message"], host
     assert "hostNetwork=true" in host["message"] and seconds < 15, (seconds, host)
     # The loosened powers reached the pods as asked (the hostPath, the other account, the env).
     pods = {
         p["metadata"]["labels"]["tpuft.dev/finetune"]: p
-        for p in get_json(local_cluster, "pods", "-n", namespace)["items"]
+        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", NOT_PREPARE)["items"]
     }
     assert pods["policy-other-service-account"]["spec"]["serviceAccountName"] == "deployer"
     assert any("hostPath" in v for v in pods["policy-host-path-root"]["spec"]["volumes"])

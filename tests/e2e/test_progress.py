@@ -1,5 +1,7 @@
 """Progress from a real FSDPv2 run: the pod's `tpuft train` runs on this host (4 PJRT CPU devices for
-a v5e 2x2 host) and rank 0 reports into status.progress with the pod's own (pod-bound) token."""
+a v5e 2x2 host) and rank 0 reports into status.progress with the pod's own (pod-bound) token. Before
+it, the run's prepare pod's real `tpuft prepare` runs on this host too: the data's figures reach
+status.data, and a run whose dataset lacks its text field fails while Preparing, with no JobSet."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
-from tests.support import get_json, patch_status_as, wait_for
+from tests.support import get_json, patch_status_as, tpu_pods_of, wait_for
 from tpuft_dev.cluster.executor import LocalExecutor
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.demo import build_assets, host_run
@@ -34,7 +36,11 @@ def test_progress_from_a_real_training_run_reaches_status(
     try:
         other = tiny_run("other", namespace, root, steps=8)
         other["spec"]["suspend"] = True  # exists only to prove one run's identity cannot touch another
-        local_cluster.apply([tiny_run("tiny", namespace, root, steps=8), other])
+        # A dataset whose rows have no "text" field: `tpuft prepare` says so, and the run fails on CPU.
+        (root / "data" / "broken.jsonl").write_text('{"content": "no text field here"}\n' * 4)
+        broken = host_run("broken", namespace, root, steps=8, output="broken-output")
+        broken["spec"]["dataset"] = {"name": f"{root}/data/broken.jsonl"}
+        local_cluster.apply([tiny_run("tiny", namespace, root, steps=8), other, broken])
         seen_running_progress: list[dict[str, Any]] = []
 
         def finished() -> dict[str, Any] | None:
@@ -49,6 +55,33 @@ def test_progress_from_a_real_training_run_reaches_status(
         assert done["status"]["phase"] == "Succeeded", logs[-3000:]
     finally:
         executor.stop()
+
+    # The data was prepared once, on CPU, by the real `tpuft prepare`: its figures are the run's.
+    data = done["status"]["data"]
+    assert data["rows"] > 0 and data["documents"] > 0 and 0 < data["lossTokenShare"] <= 1, data
+    assert data["stepsPerEpoch"] == data["rows"] // (2 * 4)  # perDeviceBatchSize 2 x 4 chips
+    assert data["epochsCovered"] == round(8 / data["stepsPerEpoch"], 2)
+    assert (root / "output" / "prepared" / data["fingerprint"]).is_dir()
+    # ("other", suspended, prepares the same data into the same output: whichever finishes second
+    # finds the first one's set complete and reuses it.)
+    prepared = next(c for c in done["status"]["conditions"] if c["type"] == "DataPrepared")
+    assert (prepared["status"], prepared["reason"]) == ("True", "Reused" if data["reused"] else "Prepared")
+    # The broken dataset failed in Preparing, in the trainer's words, and never got a JobSet.
+    failed = wait_for(
+        lambda: (
+            (s := get_json(local_cluster, "tpuft", "broken", "-n", namespace).get("status", {})).get("phase")
+            in ("Failed", "Succeeded", "Running")
+            and s
+        ),
+        timeout=60,
+        what="the broken run to end",
+    )
+    assert failed["phase"] == "Failed", failed
+    reason = next(c for c in failed["conditions"] if c["type"] == "Failed")["reason"]
+    assert reason == "DataError" and "exit code 65 (DATA_ERROR)" in failed["message"], failed
+    assert "has no 'text' field" in failed["message"] and "dataset.textField" in failed["message"]
+    assert "jobSetName" not in failed
+    assert not get_json(local_cluster, "jobsets", "-n", namespace, "-l", "tpuft.dev/finetune=broken")["items"]
 
     progress = done["status"]["progress"]
     assert progress["step"] == progress["totalSteps"] == 8
@@ -67,7 +100,7 @@ def test_progress_from_a_real_training_run_reaches_status(
     assert json.loads((output / "config.json").read_text())["hidden_size"] == 64
 
     # The pod's credentials (its pod-bound token) may patch only its own run's status.
-    (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", "tpuft.dev/finetune=tiny")["items"]
+    (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of("tiny"))["items"]
     config = tmp_path / "progress.kubeconfig"
     config.write_text(
         local_cluster.service_account_kubeconfig(

@@ -24,7 +24,7 @@ import yaml
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
-from tests.support import get_json, patch_status_as, wait_for
+from tests.support import get_json, patch_status_as, tpu_pods_of, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.render import RenderSettings, naming, render_run
@@ -177,7 +177,7 @@ def test_trainer_pods_cannot_escalate(
 
 def pod_kubeconfig(local_cluster: LocalCluster, namespace: str, run: str, path: Path) -> tuple[Path, str]:
     """A kubeconfig with the token a kubelet would mount in the run's first pod (bound to the pod)."""
-    pods = get_json(local_cluster, "pods", "-n", namespace, "-l", f"{LABEL}={run}")["items"]
+    pods = get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of(run))["items"]
     pod = pods[0]
     path.write_text(
         local_cluster.service_account_kubeconfig(

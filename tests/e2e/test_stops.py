@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
 from tests.e2e.test_progress import tiny_run
-from tests.support import get_json, wait_for
+from tests.support import get_json, tpu_pods_of, wait_for
 from tpuft_dev.cluster.executor import LocalExecutor
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.demo import build_assets
@@ -162,9 +162,7 @@ def test_maintenance_checkpoints_before_the_announced_time_and_the_restart_is_fr
             what="training to pass step 10",
             interval=0.5,
         )
-        (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", "tpuft.dev/finetune=maintained")[
-            "items"
-        ]
+        (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of("maintained"))["items"]
         node = pod["spec"]["nodeName"]
         announced = int(time.time()) + 300
         local_cluster.kubectl("label", "node", node, f"{SCHEDULED_LABEL}={announced}", "--overwrite")

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.e2e.conftest import OperatorProcess
-from tests.support import condition, finetune, get_json, patch_status_as, wait_for
+from tests.support import condition, finetune, get_json, patch_status_as, tpu_pods_of, wait_for
 from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.render import naming
@@ -59,9 +59,7 @@ def test_a_run_named_after_another_runs_jobset_cannot_take_it_over(
     assert jobset_name != VICTIM and jobset_name.startswith("llama-3-1-8b-sft-")
     pods_before = {
         p["metadata"]["uid"]
-        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", f"tpuft.dev/finetune={VICTIM}")[
-            "items"
-        ]
+        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of(VICTIM))["items"]
     }
     # The attacker: allowed to create TPUFineTunes, names one after the victim's JobSet, suspended.
     local_cluster.apply([run(jobset_name, namespace, suspend=True)])
@@ -72,8 +70,9 @@ def test_a_run_named_after_another_runs_jobset_cannot_take_it_over(
     )
     failed = condition({"status": attacker}, "Failed")
     assert failed is not None and failed["reason"] == "NameTaken", attacker
+    # Its first object, the prepare Job, already bears the victim's name: refused there, before any JobSet.
     assert (
-        f"JobSet {namespace}/{jobset_name} already exists and belongs to TPUFineTune {VICTIM}"
+        f"Job {namespace}/{jobset_name}-prepare already exists and belongs to TPUFineTune {VICTIM}"
         in failed["message"]
     )
     assert "jobSetName" not in attacker
@@ -94,9 +93,7 @@ def test_a_run_named_after_another_runs_jobset_cannot_take_it_over(
         time.sleep(2)
     pods_after = {
         p["metadata"]["uid"]
-        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", f"tpuft.dev/finetune={VICTIM}")[
-            "items"
-        ]
+        for p in get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of(VICTIM))["items"]
     }
     assert pods_after == pods_before
     assert status_of(local_cluster, VICTIM, namespace)["phase"] == "Running"
@@ -158,7 +155,7 @@ def test_an_account_that_may_list_runs_is_not_exempt_from_the_progress_rules(
         assert "only the operator, administrators and the pods of a run" in message, message
     assert status_of(local_cluster, "other", namespace)["phase"] == "Running"
     # A trainer pod's own token reads no run back (the progress Role has no get).
-    (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", "tpuft.dev/finetune=other")["items"]
+    (pod,) = get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of("other"))["items"]
     pod_config = tmp_path / "pod.kubeconfig"
     pod_config.write_text(
         local_cluster.service_account_kubeconfig(

@@ -72,6 +72,7 @@ def test_the_data_is_real_operator_output() -> None:
     ("name", "phase", "message_part", "expected"),
     [
         ("burst-4", None, "", "Progressing"),
+        ("tiny", "Preparing", "", "Progressing"),
         ("llama", "Pending", "", "Progressing"),
         ("wait-pool", "Pending", "no node pool", "Progressing"),
         ("queued", "Queued", "", "Progressing"),
@@ -79,6 +80,7 @@ def test_the_data_is_real_operator_output() -> None:
         ("pausable", "Suspended", "", "Suspended"),
         ("llama", "Succeeded", "", "Healthy"),
         ("bad-data", "Failed", "DATA_ERROR", "Degraded"),
+        ("broken", "Failed", "preparing the data failed", "Degraded"),
         ("crashy", "Failed", "", "Degraded"),
         ("bad-mount", "Failed", "", "Degraded"),
     ],
@@ -105,6 +107,7 @@ def test_waiting_says_why() -> None:
     assert unschedulable.startswith("Pending: ") and "gke-tpu-topology=2x2x4" in unschedulable
     assert "queue tpu-queue" in health(captured("queued", "Queued"))["message"]
     assert "operator" in health(captured("burst-4", None))["message"]
+    assert health(captured("tiny", "Preparing"))["message"].startswith("Preparing: preparing the data")
 
 
 def test_status_behind_the_spec_is_progressing() -> None:

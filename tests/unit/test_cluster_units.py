@@ -302,7 +302,17 @@ def test_our_kwok_stages_select_what_they_claim() -> None:
         "tpuft-pod-exit-code",
         "tpuft-pod-exit-code-first-attempt",
         "tpuft-pod-complete-after-first-attempt",
+        "tpuft-prepare-pod-exit-code",
+        "tpuft-prepare-pod-complete",
     ]
+    # The TPU pods' simulations never touch a prepare pod (it carries the run's pod annotations too),
+    # and the prepare pods' stages leave the ones the executor runs alone.
+    for stage in kwok._OUR_STAGES[:3]:
+        assert kwok.NOT_A_PREPARE_POD in stage["spec"]["selector"]["matchExpressions"]
+    for stage in kwok._OUR_STAGES[3:]:
+        expressions = stage["spec"]["selector"]["matchExpressions"]
+        assert {"key": kwok._COMPONENT, "operator": "In", "values": ["prepare"]} in expressions
+        assert {"key": kwok._RUN_ON_HOST, "operator": "DoesNotExist"} in expressions
     first, later = (
         kwok._OUR_STAGES[1]["spec"]["selector"]["matchExpressions"],
         kwok._OUR_STAGES[2]["spec"]["selector"]["matchExpressions"],

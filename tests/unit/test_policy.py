@@ -98,6 +98,13 @@ ATTACKS: list[tuple[str, dict[str, Any], str, AdminPolicy]] = [
         AdminPolicy(tolerations=("node-role.kubernetes.io/*",)),
     ),
     ("host network", {"network": {"hostNetwork": True}}, "spec.network.hostNetwork", AdminPolicy(host_network=True)),
+    # The prepare pod is held to the same rule as the TPU pods (it runs with the same identity and Secrets).
+    (
+        "prepare pod's control-plane taint",
+        {"prepare": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]}},
+        "spec.prepare.tolerations[0].key",
+        AdminPolicy(tolerations=("node-role.kubernetes.io/*",)),
+    ),
 ]  # fmt: skip
 
 

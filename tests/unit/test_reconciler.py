@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_status import NOW, finetune, jobset, pod
+from tests.unit.test_status import NOW, jobset, pod
+from tests.unit.test_status import finetune as status_finetune
 from tpuft_operator import reconcile
 from tpuft_operator.k8s import ApiError
 from tpuft_operator.pacing import WritePace
@@ -25,6 +26,15 @@ from tpuft_operator.status import EARLIER_RESTARTS_ANNOTATION
 from tpuft_operator.topology import SliceShape
 
 KEY = ("ns", "run")
+
+
+def finetune(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """A run whose JobSet is created at once: these tests are about the JobSet and the status writes
+    (the prepare Job that comes first by default has its own tests, test_prepare.py)."""
+    spec.setdefault("prepare", {"enabled": False})
+    return status_finetune(status, **spec)
+
+
 # The controller reference of every JobSet the run of `finetune()` (uid u-1) owns.
 OURS = [{"kind": "TPUFineTune", "name": "run", "uid": "u-1", "controller": True}]
 

@@ -403,7 +403,7 @@ def test_cli_renders_yaml_and_json(tmp_path: Any) -> None:
     result = runner.invoke(render_command, ["-f", str(path)])
     assert result.exit_code == 0, result.output
     kinds = [d["kind"] for d in yaml.safe_load_all(result.output)]
-    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "Job", "JobSet"]  # the prepare Job first
     result = runner.invoke(render_command, ["-f", str(path), "-o", "json"])
     assert result.exit_code == 0 and '"kind": "List"' in result.output
 

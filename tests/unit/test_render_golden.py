@@ -62,6 +62,23 @@ def test_golden_render(example: Path) -> None:
     assert rendered == golden.read_text(), f"{golden.name} differs; if intended, regenerate (see module doc)"
 
 
+# The prepare Job of a chat run with a token (what it shares with the JobSet's pods) and of a queued
+# run (no queue label: Kueue admits the JobSet, created once the data is prepared).
+PREPARE_EXAMPLES = ["chat-sft-packing", "kueue-queued"]
+
+
+@pytest.mark.parametrize("stem", PREPARE_EXAMPLES)
+def test_golden_prepare_job(stem: str) -> None:
+    job = render_run(finetune(EXAMPLES / f"{stem}.yaml")).prepare_job
+    assert job is not None
+    rendered = to_yaml([job])
+    golden = GOLDEN / f"{stem}.prepare-job.yaml"
+    if UPDATE:
+        golden.write_text(rendered)
+    assert golden.exists(), f"no golden file {golden.name}; run with TPUFT_UPDATE_GOLDEN=1"
+    assert rendered == golden.read_text(), f"{golden.name} differs; if intended, regenerate (see module doc)"
+
+
 def test_golden_jobsets_pass_the_jobset_crd_schema() -> None:
     """Each golden JobSet is valid for the JobSet v0.12.0 CRD (schema + CEL), as the apiserver checks it
     before the JobSet webhook; server-side dry-run with the webhook is a cluster test."""

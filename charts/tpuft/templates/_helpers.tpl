@@ -67,7 +67,15 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Watch the run's pods (by label) to tell Pending, and why, from Running, and on which node each runs.
+# The run's prepare Job (spec.prepare: the data prepared on CPU before the JobSet is created): create
+# it; get it to adopt one an earlier attempt made (409 on create); list and watch the prepare Jobs
+# (by label) for their outcome; delete it only when the run's data settings changed and it must be
+# made again. The garbage collector deletes it with the run, through the owner reference.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+# Watch the run's pods (by label) to tell Pending, and why, from Running, and on which node each runs;
+# the prepare pod's termination message carries the prepared data's figures or the trainer's error.
 # patch: only the annotation tpuft.dev/checkpoint-request, when GKE announces maintenance of a node
 # of the run (its trainer then saves a checkpoint now). Never creates, reads the logs of, or deletes
 # pods: the JobSet and Job controllers do that.
@@ -87,7 +95,7 @@ rules form the ClusterRole (all namespaces) or one Role per watched namespace. *
 # Kubernetes Events on TPUFineTunes for phase transitions (kopf posts core/v1 Events; it never
 # patches or aggregates them). list: a pod the apiserver refuses (PodSecurity, ResourceQuota, a
 # webhook) is recorded only as the Job controller's FailedCreate Event on the Job (a Job's status
-# has no condition for it, and the operator does not watch Jobs): while a run's pods are missing it
+# has no condition for it, and the operator watches only its prepare Jobs): while a run's pods are missing it
 # lists them, filtered by the apiserver (involvedObject.kind=Job, reason=FailedCreate), to say why
 # in the run's status. No watch, no get: nothing else of Events is read.
 - apiGroups: [""]

@@ -7,8 +7,10 @@ with the pod's environment (values, downward-API fields, Secret keys), its downw
 ConfigMap volumes materialised in a temporary directory (downward-API files refreshed while it runs,
 as a kubelet does: the operator's checkpoint requests arrive that way), and credentials of the pod's
 ServiceAccount (a bound token, so RBAC applies exactly as in the pod). When the process exits it
-reports the exit code in the pod status, as a kubelet does. `google.com/tpu: N` becomes N PJRT CPU
-devices.
+reports the exit code in the pod status, as a kubelet does, with the container's termination message
+(the file at its terminationMessagePath, default /dev/termination-log, is a file of the pod's work
+directory here: `tpuft prepare --summary-file` writes the prepared data's figures there). `google.com/tpu:
+N` becomes N PJRT CPU devices.
 
 Deletion is a kubelet's too (suspend, a drain, a JobSet restart): the process gets SIGTERM, SIGKILL
 after the pod's grace period, its exit code is reported, and only then is the pod deleted (kwok's
@@ -40,6 +42,9 @@ from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.topology import TPU_RESOURCE
 
 RUN_ON_HOST_ANNOTATION = "tpuft.dev/run-on-host"
+# A kubelet keeps at most this much of a termination message (the API's limit).
+TERMINATION_MESSAGE_LIMIT = 4096
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 log = logging.getLogger("tpuft.executor")
 
 
@@ -96,6 +101,14 @@ class HostProcess:
     # Set once the pod is being deleted: when SIGTERM was sent, and the grace period after it.
     terminating_since: float | None = None
     grace_seconds: float = 30.0
+    # Where the container's terminationMessagePath points on the host.
+    termination_log: Path | None = None
+
+    def termination_message(self) -> str:
+        """What a kubelet reports as the container's state.terminated.message (policy File)."""
+        if self.termination_log is None or not self.termination_log.is_file():
+            return ""
+        return self.termination_log.read_bytes()[:TERMINATION_MESSAGE_LIMIT].decode(errors="replace")
 
 
 @dataclass
@@ -160,7 +173,7 @@ class LocalExecutor:
             code = host.process.poll()
             if code is not None:
                 if pod is not None:
-                    self._report_exit(name, code)
+                    self._report_exit(name, code, host.termination_message())
                     if pod["metadata"].get("deletionTimestamp"):
                         self._finish_deletion(name)
                 del self._running[name]
@@ -219,6 +232,10 @@ class LocalExecutor:
         try:
             container = pod["spec"]["containers"][0]
             mounts = self._mounts(pod, container, workdir)
+            termination_log = workdir / "termination-log"
+            mounts[container.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH] = str(
+                termination_log
+            )
             argv = [
                 self._rewrite(arg, mounts)
                 for arg in [*container.get("command", []), *container.get("args", [])]
@@ -249,7 +266,9 @@ class LocalExecutor:
             if "downwardAPI" in volumes.get(m["name"], {})
         }
         annotations = dict(pod["metadata"].get("annotations") or {})
-        self._running[name] = HostProcess(name, process, workdir, log_path, downward, annotations)
+        self._running[name] = HostProcess(
+            name, process, workdir, log_path, downward, annotations, termination_log=termination_log
+        )
 
     def _mounts(self, pod: dict[str, Any], container: dict[str, Any], workdir: Path) -> dict[str, str]:
         """mountPath -> host path, materialising downward-API and ConfigMap volumes."""
@@ -347,8 +366,8 @@ class LocalExecutor:
         env.update(self.extra_env)
         return env
 
-    def _report_exit(self, name: str, code: int) -> None:
-        """What a kubelet reports when the container exits."""
+    def _report_exit(self, name: str, code: int, message: str = "") -> None:
+        """What a kubelet reports when the container exits (``message``: its termination message)."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         pod = json.loads(self.cluster.kubectl("get", "pod", name, "-n", self.namespace, "-o", "json").stdout)
         statuses = [
@@ -365,6 +384,7 @@ class LocalExecutor:
                         "reason": "Completed" if code == 0 else "Error",
                         "startedAt": now,
                         "finishedAt": now,
+                        **({"message": message} if message else {}),
                     }
                 },
             }

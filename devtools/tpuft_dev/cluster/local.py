@@ -332,6 +332,7 @@ class LocalCluster:
             self._install_jobset_api()  # idempotent; also repairs a deleted webhook configuration
         if self.kueue and "kueue-controller" not in started:
             self._install_kueue_api()
+        self.add_cpu_pool()
         with_kueue = f"Kueue {versions.KUEUE}, " if self.kueue else ""
         self.log(
             f"cluster {self.name!r} is up: Kubernetes {versions.KUBERNETES}, JobSet {versions.JOBSET}, "
@@ -462,6 +463,16 @@ class LocalCluster:
         nodes = kwok.nodepool_nodes(shape, prefix=prefix)
         for node in nodes:
             node["metadata"]["labels"].update(labels or {})
+        self.apply(nodes)
+        names = [node["metadata"]["name"] for node in nodes]
+        if wait:
+            self.kubectl("wait", "--for=condition=Ready", "--timeout=60s", *[f"node/{n}" for n in names])
+        return names
+
+    def add_cpu_pool(self, *, wait: bool = True) -> list[str]:
+        """The CPU node pool (kwok.cpu_pool_nodes): where the runs' prepare Jobs run. Idempotent;
+        `up` makes it, so a run's data preparation never waits for a node."""
+        nodes = kwok.cpu_pool_nodes()
         self.apply(nodes)
         names = [node["metadata"]["name"] for node in nodes]
         if wait:

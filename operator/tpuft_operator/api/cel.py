@@ -309,6 +309,7 @@ IMMUTABLE_FIELDS: dict[str, bool] = {
     "env": True,
     "podAnnotations": True,
     "network": True,
+    "prepare": False,
 }
 
 

@@ -60,6 +60,10 @@ PythonName = Annotated[
 ]
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-tpuft-quantity": True})]
+# A label value, as the apiserver checks one on a nodeSelector (keys are checked by validation.py).
+LabelValue = Annotated[
+    str, StringConstraints(max_length=63, pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+]
 
 
 class _Spec(BaseModel):
@@ -564,6 +568,61 @@ class NetworkSpec(_Spec):
     )
 
 
+# The prepare Job's defaults (render/prepare_job.py). Memory: `tpuft prepare` holds ~20 bytes a token
+# (token ids, loss masks, the packed rows as arrays) besides the tokenizer, so a Tulu-3-size set
+# (~0.7 B tokens) needs ~14 GB; 16Gi fits it, and sets ten times smaller fit with room to spare.
+# CPU: the tokenizer is the floor (docs/data.md), and it scales with the worker processes, one a core.
+DEFAULT_PREPARE_CPU = "4"
+DEFAULT_PREPARE_MEMORY = "16Gi"
+DEFAULT_PREPARE_DEADLINE_SECONDS = 6 * 3600
+MAX_PREPARE_DEADLINE_SECONDS = 7 * 24 * 3600
+
+
+class PrepareSpec(_Spec):
+    """Data preparation: a CPU Job (`<run>-prepare`) that reads, tokenises and packs the dataset once and
+    checks the run's inputs, before the run's JobSet (and any TPU) is requested."""
+
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Prepare the data in a CPU Job before the TPU pods start. false: no Job; every TPU host "
+            "prepares the data itself when it starts (on the TPU's time, and again after each restart "
+            "unless a prepared set is found in spec.output.uri)."
+        ),
+    )
+    resources: Resources | None = Field(
+        default=None,
+        description=(
+            f"Resources of the prepare pod. Default: requests cpu {DEFAULT_PREPARE_CPU}, memory "
+            f"{DEFAULT_PREPARE_MEMORY}, and a memory limit equal to the memory request (about 20 bytes a "
+            "token: 16Gi holds a ~0.7 B-token set). The CPU request (rounded up) is the number of "
+            "tokenising processes."
+        ),
+    )
+    node_selector: dict[str, LabelValue] | None = Field(
+        default=None,
+        max_length=16,
+        description="Node labels the prepare pod must run on (a CPU node pool). Default: any node it tolerates.",
+    )
+    tolerations: list[Toleration] | None = Field(
+        default=None,
+        max_length=32,
+        description=(
+            "Tolerations of the prepare pod (spec.tolerations are the TPU pods' and do not apply): for a "
+            "dedicated CPU pool's taint. The admin policy's rules on tolerations apply."
+        ),
+    )
+    deadline_seconds: int | None = Field(
+        default=None,
+        ge=60,
+        le=MAX_PREPARE_DEADLINE_SECONDS,
+        description=(
+            f"Longest the preparation may take in all, retries included (the Job's activeDeadlineSeconds); "
+            f"past it the run fails. Default {DEFAULT_PREPARE_DEADLINE_SECONDS} ({DEFAULT_PREPARE_DEADLINE_SECONDS // 3600} h)."
+        ),
+    )
+
+
 class TPUFineTuneSpec(_Spec):
     """What to fine-tune, on which TPUs, and how."""
 
@@ -677,6 +736,15 @@ class TPUFineTuneSpec(_Spec):
         default=None,
         description="The trainer pods' networking: host networking for multislice (DCN) traffic.",
     )
+    prepare: PrepareSpec = Field(
+        default_factory=lambda: PrepareSpec(),
+        description=(
+            "Data preparation before the TPUs: a CPU Job tokenises and packs the dataset once and checks "
+            "the model, tokenizer and output (phase Preparing, condition DataPrepared, status.data)."
+        ),
+        # The apiserver fills in {} so `enabled: true` shows.
+        json_schema_extra={"default": {}},
+    )
 
 
 # ------------------------------------------------------------------------------------------- status
@@ -686,6 +754,7 @@ class Phase(StrEnum):
     """status.phase: the operator's one list of phases (status.py derives them, metrics.py counts
     them). A str enum: a member is equal to, hashes like and serializes as its value."""
 
+    PREPARING = "Preparing"
     PENDING = "Pending"
     QUEUED = "Queued"
     SUSPENDED = "Suspended"
@@ -942,11 +1011,53 @@ class Goodput(_Spec):
     )
 
 
+class DataStatus(_Spec):
+    """The prepared dataset's figures, as the prepare Job reported them (docs/operator.md, "Preparing")."""
+
+    settings_hash: Annotated[str, StringConstraints(max_length=64)] = Field(
+        description=(
+            "Hash of the settings that decide the prepared content (model, dataset, maxSeqLength, seed, "
+            "objective) these figures belong to: another hash prepares again."
+        )
+    )
+    fingerprint: Annotated[str, StringConstraints(max_length=128)] | None = Field(
+        default=None, description="The prepared set's directory under <output.uri>/prepared/."
+    )
+    reused: bool | None = Field(
+        default=None, description="A complete prepared set was found: nothing was tokenised again."
+    )
+    documents: int | None = Field(default=None, ge=0, description="Training documents read.")
+    dropped_documents: int | None = Field(
+        default=None, ge=0, description="Documents with no token to learn within maxSeqLength (left out)."
+    )
+    rows: int | None = Field(
+        default=None, ge=0, description="Training rows of maxSeqLength (packed or padded)."
+    )
+    positions: int | None = Field(default=None, ge=0, description="rows x maxSeqLength.")
+    loss_token_share: float | None = Field(
+        default=None, ge=0, le=1, description="Share of the positions that count in the loss."
+    )
+    eval_rows: int | None = Field(default=None, ge=0, description="Evaluation rows (0: no evaluation set).")
+    steps_per_epoch: int | None = Field(
+        default=None,
+        ge=0,
+        description="Optimizer steps in one pass over the rows: rows / status.globalBatch.",
+    )
+    epochs_covered: float | None = Field(
+        default=None,
+        ge=0,
+        description="Passes over the rows that training.maxSteps makes (maxSteps / stepsPerEpoch).",
+    )
+    prepared_seconds: float | None = Field(
+        default=None, ge=0, description="Wall time of the preparation (0 when reused)."
+    )
+
+
 class TPUFineTuneStatus(_Spec):
     """Observed state, written by the operator."""
 
     phase: Phase | None = Field(
-        default=None, description="Pending, Queued, Suspended, Running, Succeeded or Failed."
+        default=None, description="Preparing, Pending, Queued, Suspended, Running, Succeeded or Failed."
     )
     conditions: list[Condition] | None = Field(
         default=None,
@@ -984,6 +1095,9 @@ class TPUFineTuneStatus(_Spec):
     completion_time: datetime | None = Field(default=None, description="When the run succeeded or failed.")
     progress: Progress | None = Field(default=None, description="Training progress.")
     goodput: Goodput | None = Field(default=None, description="Productive time and where the rest went.")
+    data: DataStatus | None = Field(
+        default=None, description="The prepared dataset's figures (spec.prepare), once prepared."
+    )
     message: Annotated[str, StringConstraints(max_length=32768)] | None = Field(
         default=None, description="Human-readable summary of the current state."
     )

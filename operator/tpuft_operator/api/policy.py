@@ -191,11 +191,16 @@ def policy_errors(ft: TPUFineTune, policy: AdminPolicy, trainer_image: str) -> l
         ref = env.value_from.secret_key_ref if env.value_from else None
         if ref is not None and not _listed(ref.name, policy.secrets):
             errors.append((f"spec.env[{i}].valueFrom.secretKeyRef.name", secret_message(ref.name)))
-    for i, toleration in enumerate(spec.tolerations or []):
-        key = toleration.key or ""
-        reserved = not key or (taint_reserved(key) and not env_allowed(key, policy.tolerations))
-        if reserved and ANY not in policy.tolerations:
-            errors.append((f"spec.tolerations[{i}].key", toleration_message(key)))
+    # The TPU pods' tolerations and the prepare pod's, under one rule.
+    for path, tolerations in (
+        ("spec.tolerations", spec.tolerations),
+        ("spec.prepare.tolerations", spec.prepare.tolerations),
+    ):
+        for i, toleration in enumerate(tolerations or []):
+            key = toleration.key or ""
+            reserved = not key or (taint_reserved(key) and not env_allowed(key, policy.tolerations))
+            if reserved and ANY not in policy.tolerations:
+                errors.append((f"{path}[{i}].key", toleration_message(key)))
     if spec.network is not None and spec.network.host_network and not policy.host_network:
         errors.append(("spec.network.hostNetwork", HOST_NETWORK_MESSAGE))
     if policy.max_chips:
@@ -371,6 +376,16 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
         " || object.spec.image.startsWith(p + ':') || object.spec.image.startsWith(p + '@')"
         " || object.spec.image.startsWith(p + '/'))"
     )
+
+    def bad_tolerations(name: str, field: str, present: str) -> dict[str, str]:
+        """The tolerations of list ``field`` (when ``present``) that tolerate a reserved taint."""
+        return {
+            "name": name,
+            "expression": f"{present} ? {field}.filter(t, "
+            f"!('{ANY}' in {v}.tolerations) && (!has(t.key) || t.key == '' || (({taint_reserved_cel})"
+            f" && !{v}.tolerations.exists(a, a == t.key || (a.endsWith('*') && t.key.startsWith(a.substring(0, size(a) - 1))))))) : []",
+        }
+
     variables = [{"name": p, "expression": parameters[p]} for p in PARAMETERS] + [
         {
             "name": "badVolumes",
@@ -388,17 +403,29 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
             "name": "badEnvSecrets",
             "expression": f"has(object.spec.env) ? object.spec.env.filter(e, {env_secret_bad}) : []",
         },
-        {
-            "name": "badTolerations",
-            "expression": "has(object.spec.tolerations) ? object.spec.tolerations.filter(t, "
-            f"!('{ANY}' in {v}.tolerations) && (!has(t.key) || t.key == '' || (({taint_reserved_cel})"
-            f" && !{v}.tolerations.exists(a, a == t.key || (a.endsWith('*') && t.key.startsWith(a.substring(0, size(a) - 1))))))) : []",
-        },
+        bad_tolerations("badTolerations", "object.spec.tolerations", "has(object.spec.tolerations)"),
+        bad_tolerations(
+            "badPrepareTolerations",
+            "object.spec.prepare.tolerations",
+            "has(object.spec.prepare) && has(object.spec.prepare.tolerations)",
+        ),
     ]
     hint = _cel_string("; " + ADMIN_HINT)
 
     def check(expression: str, message: str, reason: str = "Forbidden") -> dict[str, str]:
         return {"expression": expression, "messageExpression": message, "reason": reason}
+
+    def toleration_check(bad: str, field: str) -> dict[str, str]:
+        first = f"{v}.{bad}[0]"
+        return check(
+            f"size({v}.{bad}) == 0",
+            f"'{field}[' + "
+            + _first_index(f"object.{field}", f"{v}.{bad}")
+            + f" + '].key: a run may not tolerate ' + (has({first}.key) && {first}.key != ''"
+            + f" ? 'the taint ' + {first}.key + {_cel_string(TAINT_KINDS)}"
+            + " : 'every taint (a toleration without a key)')"
+            + f" + {hint} + ', allowedTolerations'",
+        )
 
     volume_index = _first_index("object.spec.volumes", f"{v}.badVolumes")
     bad_volume = f"{v}.badVolumes[0]"
@@ -453,15 +480,8 @@ def admission_policy(name: str, parameters: Mapping[str, str]) -> list[dict[str,
             f"{_cel_string(' is not one runs may read (only model.tokenSecretRef and the Secrets the admin allows)')}"
             f" + {hint} + ', allowedSecrets'",
         ),
-        check(
-            f"size({v}.badTolerations) == 0",
-            "'spec.tolerations[' + "
-            + _first_index("object.spec.tolerations", f"{v}.badTolerations")
-            + f" + '].key: a run may not tolerate ' + (has({v}.badTolerations[0].key) && {v}.badTolerations[0].key != ''"
-            + f" ? 'the taint ' + {v}.badTolerations[0].key + {_cel_string(TAINT_KINDS)}"
-            + " : 'every taint (a toleration without a key)')"
-            + f" + {hint} + ', allowedTolerations'",
-        ),
+        toleration_check("badTolerations", "spec.tolerations"),
+        toleration_check("badPrepareTolerations", "spec.prepare.tolerations"),
         check(
             f"{v}.hostNetwork || !has(object.spec.network) || !has(object.spec.network.hostNetwork)"
             " || !object.spec.network.hostNetwork",

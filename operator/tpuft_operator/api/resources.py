@@ -44,6 +44,8 @@ FINETUNE = Resource("tpuft.dev", "v1alpha1", "tpufinetunes", "TPUFineTune")
 JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet")
 # Kueue's Workload of a queued run's JobSet: watched (handlers.py); only spec.active is ever patched.
 WORKLOAD = Resource("kueue.x-k8s.io", "v1beta2", "workloads", "Workload")
+# The run's prepare Job (render/prepare_job.py): created, watched, deleted when its settings change.
+JOB = Resource("batch", "v1", "jobs", "Job")
 POD = Resource("", "v1", "pods", "Pod")
 NODE = Resource("", "v1", "nodes", "Node")
 EVENT = Resource("", "v1", "events", "Event")

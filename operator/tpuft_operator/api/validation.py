@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -41,7 +42,14 @@ from tpuft_operator.api.cel import (
     WARMUP_LENGTH_MESSAGE,
     WARMUP_MESSAGE,
 )
-from tpuft_operator.api.models import DNS_LABEL, DNS_SUBDOMAIN, TPUFineTune, TPUFineTuneSpec
+from tpuft_operator.api.models import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    Resources,
+    Toleration,
+    TPUFineTune,
+    TPUFineTuneSpec,
+)
 from tpuft_operator.topology import TPU_RESOURCE, SliceShape, TopologyError, resolve
 from tpuft_trainer.pod_contract import (
     CONFIG_DIR,
@@ -356,7 +364,8 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     return errors
 
 
-def _quantity(value: int | str) -> Decimal | None:
+def quantity(value: int | str) -> Decimal | None:
+    """A resource quantity's value ("500m" -> 0.5, "16Gi" -> 17179869184); None when it is not one."""
     match = _QUANTITY.match(str(value))
     if match is None:
         return None
@@ -378,16 +387,7 @@ def _pod_template_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
             errors.append(FieldError("spec.podAnnotations", RESERVED_ANNOTATION_MESSAGE))
         elif not QUALIFIED_NAME.match(key):
             errors.append(FieldError("spec.podAnnotations", f"{key!r} is not a valid annotation key"))
-    for i, t in enumerate(spec.tolerations or []):
-        where = f"spec.tolerations[{i}]"
-        if t.key and not QUALIFIED_NAME.match(t.key):
-            errors.append(FieldError(f"{where}.key", f"{t.key!r} is not a valid taint key"))
-        if not t.key and t.operator != "Exists":
-            errors.append(FieldError(f"{where}.operator", "must be Exists when key is empty"))
-        if t.operator == "Exists" and t.value:
-            errors.append(FieldError(f"{where}.value", "must be empty when operator is Exists"))
-        if t.toleration_seconds is not None and t.effect != "NoExecute":
-            errors.append(FieldError(f"{where}.tolerationSeconds", "applies only with effect NoExecute"))
+    errors += _toleration_errors(spec.tolerations, "spec.tolerations")
     for i, volume in enumerate(spec.volumes or []):
         where = f"spec.volumes[{i}]"
         name = str(volume.get("name", ""))
@@ -401,29 +401,8 @@ def _pod_template_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
             errors.append(
                 FieldError(where, f"a volume has one source, not {len(sources)}: {', '.join(sources)}")
             )
-    if spec.resources is not None:
-        requests, limits = spec.resources.requests or {}, spec.resources.limits or {}
-        for kind, values in (("requests", requests), ("limits", limits)):
-            for name in values:
-                prefixed = "/" in name
-                if not QUALIFIED_NAME.match(name) or not (
-                    prefixed or name in STANDARD_RESOURCES or name.startswith("hugepages-")
-                ):
-                    errors.append(
-                        FieldError(
-                            f"spec.resources.{kind}", f"{name!r} is not a standard or qualified resource name"
-                        )
-                    )
-        for name, request in requests.items():
-            if name in limits:
-                low, high = _quantity(request), _quantity(limits[name])
-                if low is not None and high is not None and low > high:
-                    errors.append(
-                        FieldError(
-                            f"spec.resources.requests.{name}",
-                            f"{request} is more than the limit {limits[name]}",
-                        )
-                    )
+    errors += _resource_errors(spec.resources, "spec.resources")
+    errors += _prepare_errors(spec)
     for i, env in enumerate(spec.env or []):
         source = env.value_from
         if source is None:
@@ -451,4 +430,73 @@ def _pod_template_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         if mount.mount_path in paths:
             errors.append(FieldError(f"{where}.mountPath", f"{mount.mount_path} is mounted twice"))
         paths.add(mount.mount_path)
+    return errors
+
+
+def _toleration_errors(tolerations: Sequence[Toleration] | None, path: str) -> list[FieldError]:
+    errors: list[FieldError] = []
+    for i, t in enumerate(tolerations or []):
+        where = f"{path}[{i}]"
+        if t.key and not QUALIFIED_NAME.match(t.key):
+            errors.append(FieldError(f"{where}.key", f"{t.key!r} is not a valid taint key"))
+        if not t.key and t.operator != "Exists":
+            errors.append(FieldError(f"{where}.operator", "must be Exists when key is empty"))
+        if t.operator == "Exists" and t.value:
+            errors.append(FieldError(f"{where}.value", "must be empty when operator is Exists"))
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            errors.append(FieldError(f"{where}.tolerationSeconds", "applies only with effect NoExecute"))
+    return errors
+
+
+def _resource_errors(resources: Resources | None, path: str) -> list[FieldError]:
+    errors: list[FieldError] = []
+    if resources is None:
+        return errors
+    requests, limits = resources.requests or {}, resources.limits or {}
+    for kind, values in (("requests", requests), ("limits", limits)):
+        for name in values:
+            prefixed = "/" in name
+            if not QUALIFIED_NAME.match(name) or not (
+                prefixed or name in STANDARD_RESOURCES or name.startswith("hugepages-")
+            ):
+                errors.append(
+                    FieldError(f"{path}.{kind}", f"{name!r} is not a standard or qualified resource name")
+                )
+    for name, request in requests.items():
+        if name in limits:
+            low, high = quantity(request), quantity(limits[name])
+            if low is not None and high is not None and low > high:
+                errors.append(
+                    FieldError(f"{path}.requests.{name}", f"{request} is more than the limit {limits[name]}")
+                )
+    return errors
+
+
+def _prepare_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
+    """spec.prepare: the prepare pod's own scheduling and resources (a CPU pod: no TPU)."""
+    prepare = spec.prepare
+    errors = _toleration_errors(prepare.tolerations, "spec.prepare.tolerations")
+    errors += _resource_errors(prepare.resources, "spec.prepare.resources")
+    resources = prepare.resources
+    for kind, values in (
+        ("requests", resources.requests if resources else None),
+        ("limits", resources.limits if resources else None),
+    ):
+        if values and TPU_RESOURCE in values:
+            errors.append(
+                FieldError(
+                    f"spec.prepare.resources.{kind}",
+                    f"the prepare pod runs on CPU: remove {TPU_RESOURCE} (the TPU pods get their chips from spec.tpu)",
+                )
+            )
+    cpu = (resources.requests or {}).get("cpu") if resources else None
+    if cpu is not None:
+        cores = quantity(cpu)
+        if cores is None or cores <= 0:
+            errors.append(
+                FieldError("spec.prepare.resources.requests.cpu", f"{cpu} is not a positive CPU quantity")
+            )
+    for key in prepare.node_selector or {}:
+        if not QUALIFIED_NAME.match(key):
+            errors.append(FieldError("spec.prepare.nodeSelector", f"{key!r} is not a valid label key"))
     return errors

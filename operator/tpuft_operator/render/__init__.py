@@ -2,6 +2,7 @@
 
 run = render_run(ft, RenderSettings())
 run.objects             # [JobSet] (+ a RoleBinding first for a user-named account)
+run.prepare_job         # the CPU Job that prepares the data before the JobSet (None: spec.prepare.enabled false)
 run.namespace_objects   # the namespace's trainer ServiceAccount + progress Role/RoleBinding, shared
 """
 
@@ -16,6 +17,7 @@ from tpuft_operator.api.validation import SpecError, ValidatedRun, parse_run, va
 from tpuft_operator.render.identity import namespace_objects, run_objects
 from tpuft_operator.render.jobset import jobset
 from tpuft_operator.render.network import network_policy
+from tpuft_operator.render.prepare_job import data_settings_hash, prepare_job
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.render.trainer_config import trainer_config
 from tpuft_operator.topology import SliceShape
@@ -38,6 +40,10 @@ class RenderedRun:
     # A Spot run of a known model whose stop save cannot fit a reclaim's ~15 s (plan.spot_stop_warning):
     # the operator says so with the run's start (Warning SpotStopTooShort).
     spot_stop_warning: str | None = None
+    # The Job that prepares the data on CPU before the JobSet is created (render/prepare_job.py), and
+    # the hash of the data settings it prepares for; None when spec.prepare.enabled is false.
+    prepare_job: dict[str, Any] | None = None
+    data_settings_hash: str = ""
     # Why the trainer's stack is unverified on the run's TPU (trainer_stack.py: tpu7x), posted as a
     # Warning TrainerStackUnverified with the run's start; the run is not refused.
     trainer_stack_caveat: str | None = None
@@ -78,5 +84,7 @@ def render_run(
         identity=tuple(run_objects(model)),
         network=tuple(p for p in [network_policy(model)] if p is not None and settings.network_policy),
         spot_stop_warning=plan.spot_stop_warning(model),
+        prepare_job=prepare_job(model, config, settings) if model.spec.prepare.enabled else None,
+        data_settings_hash=data_settings_hash(config),
         trainer_stack_caveat=trainer_stack.trainer_stack_caveat(model.spec.model_dump(by_alias=True)),
     )

@@ -41,8 +41,9 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 @click.option("--image", default=None, help="Trainer image to use when spec.image is not set.")
 def render(path: Path, fmt: str, image: str | None) -> None:
     """Print every object the operator would create for a TPUFineTune: the namespace's trainer
-    ServiceAccount and progress Role/RoleBinding (once per namespace), then the JobSet (the
-    trainer config inside it, as a pod annotation).
+    ServiceAccount and progress Role/RoleBinding (once per namespace), then the prepare Job (unless
+    spec.prepare.enabled is false), then the JobSet (the trainer config inside both, as a pod
+    annotation).
 
     Without metadata.uid (a file not read back from a cluster) the objects carry no ownerReferences.
     """
@@ -58,6 +59,8 @@ def render(path: Path, fmt: str, image: str | None) -> None:
             if namespace not in namespaces:
                 namespaces.add(namespace)
                 objects += run.namespace_objects
+            if run.prepare_job is not None:  # created first; the JobSet once the data is prepared
+                objects.append(run.prepare_job)
             objects += run.objects
         except SpecError as error:
             name = (doc.get("metadata") or {}).get("name", "?")
