@@ -149,6 +149,9 @@ def finetune(name: str, namespace: str) -> dict[str, Any]:
             "tpu": {"type": "v5e", "topology": "2x2"},
             "training": {"maxSteps": 10},
             "output": {"uri": "gs://example-bucket/out"},
+            # The operator's reaction to a burst, from the run to its JobSet, as measured before the
+            # prepare Job existed (a prepare Job per run would add the Job's round trip to every run).
+            "prepare": {"enabled": False},
         },
     }
 
