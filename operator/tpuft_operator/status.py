@@ -246,29 +246,12 @@ def _derive_phase(obs: Observed) -> _Derived:
                 {**valid, DATA_PREPARED: failed, "Failed": ("True", state.reason, state.message)},
             )
         elif jobset is None and obs.prepare_refused is not None and state.stage is Stage.ABSENT:
-            message = f"the operator cannot create the run's prepare Job, retrying: {obs.prepare_refused}"
-            return _Derived(
-                Phase.PREPARING,
-                "FailedCreate",
-                message,
-                {
-                    **valid,
-                    DATA_PREPARED: ("False", "Preparing", message),
-                    "ReplicaFailure": ("True", "FailedCreate", message),
-                },
+            return _prepare_refused(
+                f"the operator cannot create the run's prepare Job, retrying: {obs.prepare_refused}", valid
             )
         elif jobset is None and obs.pods_refused is not None:
-            message = obs.pods_refused  # the prepare pod, refused (PodSecurity, a quota, a webhook)
-            return _Derived(
-                Phase.PREPARING,
-                "FailedCreate",
-                message,
-                {
-                    **valid,
-                    DATA_PREPARED: ("False", "Preparing", message),
-                    "ReplicaFailure": ("True", "FailedCreate", message),
-                },
-            )
+            # the prepare pod, refused (PodSecurity, a quota, a webhook)
+            return _prepare_refused(obs.pods_refused, valid)
         elif jobset is None:
             return _Derived(
                 Phase.PREPARING,
@@ -638,3 +621,17 @@ def status_patch(current: Obj, derived: Mapping[str, Any]) -> dict[str, Any] | N
     """The merge patch that brings `current` status to `derived`, or None when nothing changed."""
     changes = {key: value for key, value in derived.items() if current.get(key) != value}
     return changes or None
+
+
+def _prepare_refused(message: str, valid: dict[str, Any]) -> _Derived:
+    """Preparing, with the apiserver's refusal of the prepare Job or its pod said (and retried)."""
+    return _Derived(
+        Phase.PREPARING,
+        "FailedCreate",
+        message,
+        {
+            **valid,
+            DATA_PREPARED: ("False", "Preparing", message),
+            "ReplicaFailure": ("True", "FailedCreate", message),
+        },
+    )

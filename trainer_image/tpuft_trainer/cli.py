@@ -48,14 +48,18 @@ def _setup_logging() -> None:
     )
 
 
-@click.command("train")
-@click.option(
+# Both commands read the same file: the trainer configuration the operator rendered.
+config_option = click.option(
     "--config",
     "config_path",
     required=True,
     type=click.Path(dir_okay=False, path_type=Path),
     help="The trainer configuration the operator rendered (YAML, tpuft.dev/trainer-config/v1).",
 )
+
+
+@click.command("train")
+@config_option
 def train(config_path: Path) -> None:
     """Run the FSDPv2 training core from a rendered configuration.
 
@@ -107,13 +111,7 @@ def _load_config(config_path: Path, summary_file: Path | None = None) -> Trainer
 
 
 @click.command("prepare")
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The same trainer configuration `tpuft train` reads.",
-)
+@config_option
 @click.option(
     "--workers",
     type=click.IntRange(min=1),

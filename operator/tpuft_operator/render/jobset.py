@@ -212,6 +212,15 @@ def host_network_fields(stop_port: int) -> tuple[Obj, list[Obj]]:
     return pod, ports
 
 
+def config_file_item() -> Obj:
+    """The downward-API item that puts the trainer config (the pod's annotation) at CONFIG_FILE: the
+    TPU pods and the prepare pod read the same file."""
+    return {
+        "path": CONFIG_FILE,
+        "fieldRef": {"fieldPath": f"metadata.annotations['{TRAINER_CONFIG_ANNOTATION}']"},
+    }
+
+
 def pod_template(
     ft: TPUFineTune,
     shape: SliceShape,
@@ -248,10 +257,7 @@ def pod_template(
                 "name": CONFIG_VOLUME,
                 "downwardAPI": {
                     "items": [
-                        {
-                            "path": CONFIG_FILE,
-                            "fieldRef": {"fieldPath": f"metadata.annotations['{TRAINER_CONFIG_ANNOTATION}']"},
-                        },
+                        config_file_item(),
                         {
                             "path": REQUEST_FILE,
                             "fieldRef": {

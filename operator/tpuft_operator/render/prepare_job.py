@@ -38,13 +38,12 @@ from tpuft_operator.api.models import (
 from tpuft_operator.api.resources import JOB
 from tpuft_operator.api.validation import quantity
 from tpuft_operator.render import naming
-from tpuft_operator.render.jobset import common_labels, object_metadata, security_context
+from tpuft_operator.render.jobset import common_labels, config_file_item, object_metadata, security_context
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
 from tpuft_trainer.pod_contract import (
     CONFIG_DIR,
-    CONFIG_FILE,
     CONFIG_PATH,
     CONFIG_VOLUME,
     POD_NAME_ENV,
@@ -179,14 +178,7 @@ def prepare_job(ft: TPUFineTune, config: TrainerConfig, settings: RenderSettings
         "volumes": [
             {
                 "name": CONFIG_VOLUME,
-                "downwardAPI": {
-                    "items": [
-                        {
-                            "path": CONFIG_FILE,
-                            "fieldRef": {"fieldPath": f"metadata.annotations['{TRAINER_CONFIG_ANNOTATION}']"},
-                        }
-                    ]
-                },
+                "downwardAPI": {"items": [config_file_item()]},
             },
             *[dict(v) for v in spec.volumes or []],
         ],
