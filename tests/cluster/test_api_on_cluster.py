@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "tpufinetunes.tpuft.dev.yaml"
 CRD_NAME = "tpufinetunes.tpuft.dev"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-GOLDEN = sorted((ROOT / "tests" / "unit" / "golden").glob("*.yaml"))
+# The goldens of a run's JobSet and identity (the prepare Job's, *.prepare-job.yaml, have no JobSet).
+GOLDEN = sorted(
+    p for p in (ROOT / "tests" / "unit" / "golden").glob("*.yaml") if ".prepare-job" not in p.name
+)
 INVALID = yaml.safe_load((Path(__file__).parent / "invalid_resources.yaml").read_text())
 SCHEDULING = yaml.safe_load((Path(__file__).parent / "scheduling_cases.yaml").read_text())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -536,9 +537,15 @@ def test_install_upgrade_uninstall(helm: Helm, local_cluster: LocalCluster, name
     helm.run("uninstall", release, "-n", namespace, "--wait", "--timeout=60s")
     assert json.loads(helm.run("list", "-n", namespace, "-a", "-o", "json").stdout) == []
     assert local_cluster.kubectl("get", "clusterrole", fullname, check=False).returncode != 0
-    assert not get_json(local_cluster, "all", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}")[
-        "items"
-    ]
+    # The Deployment is gone when helm returns; its pod goes by garbage collection, a moment later.
+    deadline = time.monotonic() + 60
+    while (
+        left := get_json(
+            local_cluster, "all", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}"
+        )["items"]
+    ) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, [o["metadata"]["name"] for o in left]
     # Helm never deletes CRDs from crds/: uninstalling the operator leaves users' runs in place.
     local_cluster.kubectl("get", "crd", "tpufinetunes.tpuft.dev")
 

@@ -59,6 +59,7 @@ from tpuft_dev.cluster import kwok
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.cluster.operator_process import OperatorProcess, install_operator
 from tpuft_operator.maintenance import SCHEDULED_LABEL
+from tpuft_operator.preparing import split_pods
 from tpuft_operator.render import naming
 from tpuft_trainer.exit_codes import ExitCode
 from tpuft_trainer.pod_contract import CHECKPOINT_REQUEST_ANNOTATION
@@ -460,7 +461,7 @@ class Ledger:
             found.append(f"{name}: MaintenanceScheduled is {cond or 'absent'} while {node} announces {when}")
         elif wanted not in str(cond.get("message")):
             found.append(f"{name}: MaintenanceScheduled says {cond.get('message')!r}, not {wanted!r}")
-        for pod in pods:
+        for pod in split_pods(pods)[0]:  # the TPU pods: the prepare pod is asked nothing
             request = (pod["metadata"].get("annotations") or {}).get(CHECKPOINT_REQUEST_ANNOTATION)
             if request != str(when):
                 found.append(f"{name}: pod {pod['metadata']['name']} has checkpoint request {request!r}")

@@ -92,7 +92,7 @@ def test_sigterm_without_save_steps_checkpoints_the_step_reached_and_resume_lose
     assert stopped.returncode == STOPPED, stopped.tail()
     # What the stop left: the step it reached, complete, the record of it and the TensorBoard
     # events so far (no final model).
-    assert left == ["checkpoint-5", "tensorboard", "tpuft-metrics.json"], left
+    assert left == ["checkpoint-5", "prepared", "tensorboard", "tpuft-metrics.json"], left  # prepared: data/
     assert "saved checkpoint-5 in" in stopped.stderr and "stopped at step 5" in stopped.stderr
     assert resumed.returncode == 0, resumed.tail()
     record = metrics(output)
