@@ -297,6 +297,19 @@ _RULE_MATCH = "matching FailJob rule at index {index}$"
 USER_ERROR_RULE, CHECKPOINTED_STOP_RULE = 0, 1
 
 
+def user_error_rule(container: str) -> Obj:
+    """A pod failure policy rule: the trainer's user-error exit codes (64-78) in ``container`` fail the
+    Job at once, with no retry (the TPU pods' Jobs and the prepare Job alike)."""
+    return {
+        "action": "FailJob",
+        "onExitCodes": {
+            "containerName": container,
+            "operator": "In",
+            "values": sorted(int(code) for code in USER_ERROR_EXIT_CODES),
+        },
+    }
+
+
 def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
     """(Job podFailurePolicy, JobSet failurePolicy): user error / checkpointed stop / infrastructure.
 
@@ -318,14 +331,7 @@ def failure_policies(ft: TPUFineTune) -> tuple[Obj, Obj]:
     """
     pod_failure_policy: Obj = {
         "rules": [
-            {
-                "action": "FailJob",
-                "onExitCodes": {
-                    "containerName": CONTAINER,
-                    "operator": "In",
-                    "values": sorted(int(code) for code in USER_ERROR_EXIT_CODES),
-                },
-            },
+            user_error_rule(CONTAINER),
             {
                 "action": "FailJob",
                 "onExitCodes": {

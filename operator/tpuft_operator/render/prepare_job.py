@@ -38,10 +38,15 @@ from tpuft_operator.api.models import (
 from tpuft_operator.api.resources import JOB
 from tpuft_operator.api.validation import quantity
 from tpuft_operator.render import naming
-from tpuft_operator.render.jobset import common_labels, config_file_item, object_metadata, security_context
+from tpuft_operator.render.jobset import (
+    common_labels,
+    config_file_item,
+    object_metadata,
+    security_context,
+    user_error_rule,
+)
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_trainer.config import TrainerConfig
-from tpuft_trainer.exit_codes import USER_ERROR_EXIT_CODES
 from tpuft_trainer.pod_contract import (
     CONFIG_DIR,
     CONFIG_PATH,
@@ -124,14 +129,7 @@ def _env(ft: TPUFineTune, settings: RenderSettings) -> list[Obj]:
 def pod_failure_policy() -> Obj:
     return {
         "rules": [
-            {
-                "action": "FailJob",
-                "onExitCodes": {
-                    "containerName": CONTAINER,
-                    "operator": "In",
-                    "values": sorted(int(code) for code in USER_ERROR_EXIT_CODES),
-                },
-            },
+            user_error_rule(CONTAINER),
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]
     }
