@@ -235,8 +235,15 @@ class ProgressConfig(_Strict):
     plural: str = "tpufinetunes"
 
 
+# The tensor runtimes a run may train on: PyTorch/XLA SPMD (one process per host, torch_xla 2.9), or
+# torch-native FSDP2/DTensor (one process per chip: TorchTPU on a slice, gloo on CPU in the tests).
+# Both read the same prepared datasets and write checkpoints of the same layout and keys.
+BACKENDS: Final = ("xla", "native")
+
+
 class TrainerConfig(_Strict):
     version: Literal["tpuft.dev/trainer-config/v1"] = CONFIG_VERSION
+    backend: Literal["xla", "native"] = "xla"
     model: ModelSource
     dataset: DatasetSource
     fsdp: FsdpConfig = FsdpConfig()
@@ -255,6 +262,10 @@ class TrainerConfig(_Strict):
             )
         if preference and self.training.objective != "dpo":
             raise ValueError("dataset.format preference needs training.objective dpo")
+        if self.backend == "native" and self.training.objective == "dpo":
+            raise ValueError(
+                "training.objective dpo runs on backend xla only: the native backend's loop trains sft"
+            )
         return self
 
     def data_settings(self) -> dict[str, object]:
