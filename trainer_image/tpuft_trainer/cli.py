@@ -153,19 +153,20 @@ def prepare(config_path: Path, workers: int | None, summary_file: Path | None) -
             log.error("prepare failed (%s, exit %d): %s", ExitCode(code).name, code, error)
         _write_summary(summary_file, error_message(str(error), code))
         sys.exit(code)
-    manifest = ready.manifest
+    manifest = ready.prepared.manifest
     train = manifest.splits[TRAIN]
     summary = PrepareSummary(
         fingerprint=manifest.fingerprint,
-        reused=ready.reused,
+        reused=ready.prepared.reused,
         documents=train.documents,
         dropped=train.dropped,
         rows=train.rows,
         positions=manifest.positions(),
         loss_tokens=train.loss_tokens,
         eval_rows=manifest.splits[EVAL].rows if EVAL in manifest.splits else 0,
-        seconds=0.0 if ready.reused else manifest.seconds,
-        tokens_per_second=0.0 if ready.reused else manifest.tokens_per_second,
+        seconds=0.0 if ready.prepared.reused else manifest.seconds,
+        tokens_per_second=0.0 if ready.prepared.reused else manifest.tokens_per_second,
+        model=ready.model,
     )
     _write_summary(summary_file, summary.to_message())
     click.echo(summary.to_message())
