@@ -52,11 +52,18 @@ sharded devices and exports it in groups of at most 1 GiB. So a host holds at mo
   larger), whole: a conservative bound on what the sliced loader holds at once;
 - export: one file group held on the host, EXPORT_GROUP_BYTES (gathered in parts of 256 MiB);
 
-on top of RUNTIME_HOST_GIB, an allowance for the Python runtime, torch_xla and libtpu, and the
-tokenised dataset. peak = runtime + max(load, save, export). `host_ram_refusal` is the same estimate
-for a spec whose model is in KNOWN_MODELS: validation (api/validation.py) refuses such a spec on
-spec.tpu.topology when the peak exceeds the host's RAM (HBM is never a reason to refuse: that
-estimate is too rough to block a run).
+on top of RUNTIME_HOST_GIB, an allowance for the Python runtime, torch_xla and libtpu. The SFT
+dataset is not process memory: the trainer reads a prepared set (the prepare Job's, or one it
+prepares itself into the same files) memory-mapped, so its pages are the kernel's page cache,
+reclaimed under pressure, and not the trainer's RAM. Preference pairs (DPO) are still tokenised in
+the process by trl (docs/data.md), so a DPO run's dataset does sit in that allowance.
+peak = runtime + max(load, save, export).
+
+`host_ram_refusal` is the same estimate as a refusal on spec.tpu.topology when the peak exceeds the
+host's RAM: validation (api/validation.py) applies it to a spec whose model is in KNOWN_MODELS, and
+the operator, for any model, once its prepare Job has read the model's dimensions (`memory_verdict`,
+preparing.py), before any TPU is requested. HBM is never a reason to refuse: that estimate is too
+rough to block a run; the operator says it (condition MemoryFits, a Warning Event) with what to change.
 """
 
 from __future__ import annotations
@@ -72,8 +79,11 @@ from tpuft_trainer.prepare_contract import ModelFigures
 GIB = 1024**3
 HEADROOM = 0.10  # fraction of HBM left for XLA workspace, fragmentation and the runtime
 # Host RAM a trainer process needs besides the checkpoint, load and export buffers: the Python
-# runtime, torch_xla and libtpu, the tokenised dataset. An allowance, not a measurement of a TPU host;
-# the trainer's side may refine it.
+# runtime, torch_xla and libtpu. An allowance, not a measurement of a TPU host; the trainer's side may
+# refine it. It once counted the tokenised dataset too, which the in-process path held (issue 47: of
+# a 15 M-token set, 4.9 GB at the peak of loading and 1.4 GB through training); a prepared set is now
+# memory-mapped (page cache, not the process's RAM), so that share is gone for SFT. The figure is left as it was rather than lowered by a guess:
+# no TPU host's runtime has been measured, and DPO pairs are still tokenised in the process.
 RUNTIME_HOST_GIB = 12
 EXPORT_GROUP_BYTES = GIB  # the final export streams the weights in gather groups of at most this
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -987,7 +997,8 @@ def _host_rows(p: Plan, ft: TPUFineTune) -> list[str]:
         f"  {'save':<12}{_gib(host.save_bytes)}   staging its shards in RAM at each save (one save in flight)",
         f"  {'load':<12}{_gib(host.load_bytes)}   the largest tensor, whole: {host.largest_tensor} x {w} B",
         f"  {'export':<12}{_gib(host.export_bytes)}   one gather group of the final export",
-        f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: Python, torch_xla/libtpu, the tokenised dataset",
+        f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: Python, torch_xla/libtpu (a prepared dataset"
+        " is memory-mapped: page cache)",
     ]
     ram = host.ram_bytes // GIB
     verdict = "fits" if host.fits else "DOES NOT FIT"

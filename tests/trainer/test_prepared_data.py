@@ -242,6 +242,11 @@ def test_a_bucket_models_parameters_are_counted_from_its_headers_and_never_fail_
     assert sources.parameter_count(source, "", weights) is None
     assert sources.parameter_count(source, "", ["pytorch_model.bin"]) is None
     fs.rm("/models", recursive=True)
+    # A config without a decoder-only transformer's dimensions: no figures (the operator then has no
+    # verdict to recompute), not a failure of the pre-flight.
+    from tpuft_trainer.data import preflight
+
+    assert preflight.model_figures("t5", {"d_model": 512, "num_layers": 6}, None) is None
 
 
 def test_the_output_must_be_writable_before_any_tpu_is_requested(monkeypatch: pytest.MonkeyPatch) -> None:

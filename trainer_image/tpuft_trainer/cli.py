@@ -134,8 +134,9 @@ def prepare(config_path: Path, workers: int | None, summary_file: Path | None) -
     completion marker written last). A complete one with the same fingerprint is reused as it is:
     `tpuft train` then reads it instead of tokenising. Also checks that the model's config and
     tokenizer are readable with the run's token, its weight files are there, and the output is
-    writable. Exit codes as `tpuft train`'s: 64-78 are user errors (the run fails, no TPU is
-    requested); anything else is retried.
+    writable, and reports the model's dimensions (its parameters counted from the safetensors
+    headers) for the operator's plan. Exit codes as `tpuft train`'s: 64-78 are user errors (the run
+    fails, no TPU is requested); anything else is retried.
     """
     _setup_logging()
     config = _load_config(config_path, summary_file)
