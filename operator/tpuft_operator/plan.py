@@ -52,11 +52,18 @@ sharded devices and exports it in groups of at most 1 GiB. So a host holds at mo
   larger), whole: a conservative bound on what the sliced loader holds at once;
 - export: one file group held on the host, EXPORT_GROUP_BYTES (gathered in parts of 256 MiB);
 
-on top of RUNTIME_HOST_GIB, an allowance for the Python runtime, torch_xla and libtpu, and the
-tokenised dataset. peak = runtime + max(load, save, export). `host_ram_refusal` is the same estimate
-for a spec whose model is in KNOWN_MODELS: validation (api/validation.py) refuses such a spec on
-spec.tpu.topology when the peak exceeds the host's RAM (HBM is never a reason to refuse: that
-estimate is too rough to block a run).
+on top of RUNTIME_HOST_GIB, an allowance for the Python runtime, torch_xla and libtpu. The SFT
+dataset is not process memory: the trainer reads a prepared set (the prepare Job's, or one it
+prepares itself into the same files) memory-mapped, so its pages are the kernel's page cache,
+reclaimed under pressure, and not the trainer's RAM. Preference pairs (DPO) are still tokenised in
+the process by trl (docs/data.md), so a DPO run's dataset does sit in that allowance.
+peak = runtime + max(load, save, export).
+
+`host_ram_refusal` is the same estimate as a refusal on spec.tpu.topology when the peak exceeds the
+host's RAM: validation (api/validation.py) applies it to a spec whose model is in KNOWN_MODELS, and
+the operator, for any model, once its prepare Job has read the model's dimensions (`memory_verdict`,
+preparing.py), before any TPU is requested. HBM is never a reason to refuse: that estimate is too
+rough to block a run; the operator says it (condition MemoryFits, a Warning Event) with what to change.
 """
 
 from __future__ import annotations
@@ -67,12 +74,16 @@ from typing import Any
 from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS, SPOT_GRACE_SECONDS, TPUFineTune, TPUFineTuneSpec
 from tpuft_operator.topology import SliceShape, resolve
 from tpuft_operator.trainer_stack import trainer_stack_caveat
+from tpuft_trainer.prepare_contract import ModelFigures
 
 GIB = 1024**3
 HEADROOM = 0.10  # fraction of HBM left for XLA workspace, fragmentation and the runtime
 # Host RAM a trainer process needs besides the checkpoint, load and export buffers: the Python
-# runtime, torch_xla and libtpu, the tokenised dataset. An allowance, not a measurement of a TPU host;
-# the trainer's side may refine it.
+# runtime, torch_xla and libtpu. An allowance, not a measurement of a TPU host; the trainer's side may
+# refine it. It once counted the tokenised dataset too, which the in-process path held (issue 47: of
+# a 15 M-token set, 4.9 GB at the peak of loading and 1.4 GB through training); a prepared set is now
+# memory-mapped (page cache, not the process's RAM), so that share is gone for SFT. The figure is left as it was rather than lowered by a guess:
+# no TPU host's runtime has been measured, and DPO pairs are still tokenised in the process.
 RUNTIME_HOST_GIB = 12
 EXPORT_GROUP_BYTES = GIB  # the final export streams the weights in gather groups of at most this
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -272,40 +283,33 @@ KNOWN_MODELS: dict[str, ModelDims] = _known_models()
 
 
 def dims_from_config(config: dict[str, Any], source: str) -> ModelDims:
-    """ModelDims from a Hugging Face config.json (Llama/Gemma/Qwen/Mistral keys, or GPT-2's)."""
-    if "text_config" in config and "hidden_size" not in config:
-        config = config["text_config"]  # multimodal wrappers keep the language model inside
-    if "hidden_size" in config:
-        return dims(
-            hidden_size=int(config["hidden_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            intermediate_size=int(config.get("intermediate_size") or 4 * int(config["hidden_size"])),
-            num_heads=int(config["num_attention_heads"]),
-            num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
-            vocab_size=int(config["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            gated_mlp=config.get("hidden_act", config.get("hidden_activation", "silu"))
-            not in ("gelu_new", "relu"),
-            experts=int(config.get("num_local_experts") or 1),  # Mixtral's name for its experts
-            experts_per_token=int(config.get("num_experts_per_tok") or 1)
-            if config.get("num_local_experts")
-            else 1,
-            source=source,
-        )
-    if "n_embd" in config:  # GPT-2 style
-        h = int(config["n_embd"])
-        return dims(
-            hidden_size=h,
-            num_layers=int(config["n_layer"]),
-            intermediate_size=int(config.get("n_inner") or 4 * h),
-            num_heads=int(config["n_head"]),
-            vocab_size=int(config["vocab_size"]),
-            tied_embeddings=True,
-            gated_mlp=False,
-            source=source,
-        )
-    raise ValueError(f"{source}: no hidden_size or n_embd; not a decoder-only transformer config")
+    """ModelDims from a Hugging Face config.json (Llama/Gemma/Qwen/Mistral keys, or GPT-2's), read as
+    the prepare Job reads it (prepare_contract.ModelFigures)."""
+    try:
+        figures = ModelFigures.from_config(config)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    return dims_from_figures(figures, source)
+
+
+def dims_from_figures(figures: ModelFigures, source: str) -> ModelDims:
+    """ModelDims from a model's figures: its architecture, and the parameter count of its weight files
+    when they were counted (else computed from the architecture, Llama-style layers)."""
+    computed = dims(
+        hidden_size=figures.hidden_size,
+        num_layers=figures.num_layers,
+        intermediate_size=figures.intermediate_size,
+        num_heads=figures.num_heads,
+        num_kv_heads=figures.num_kv_heads,
+        vocab_size=figures.vocab_size,
+        head_dim=figures.head_dim,
+        tied_embeddings=figures.tied_embeddings,
+        gated_mlp=figures.gated_mlp,
+        experts=figures.experts,
+        experts_per_token=figures.experts_per_token,
+        source=source,
+    )
+    return computed if figures.params is None else replace(computed, params=figures.params)
 
 
 def dims_from_params(params: int, source: str) -> ModelDims:
@@ -544,11 +548,12 @@ def _or_list(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
-def host_ram_refusal(spec: TPUFineTuneSpec, shape: SliceShape) -> str | None:
-    """Why a host cannot hold the run, for a spec whose model is in KNOWN_MODELS (the operator
-    cannot read a model's config.json) and whose mesh is valid; None when it fits or the model is
-    unknown. Validation puts it on spec.tpu.topology."""
-    model = KNOWN_MODELS.get(spec.model.name)
+def host_ram_refusal(spec: TPUFineTuneSpec, shape: SliceShape, model: ModelDims | None = None) -> str | None:
+    """Why a host cannot hold the run, for a spec whose mesh is valid; None when it fits, or when no
+    ``model`` is given and the spec's is not in KNOWN_MODELS (the operator cannot read a model's
+    config.json: validation judges the catalog's models, and the prepare Job's figures the others,
+    `memory_verdict`). Put on spec.tpu.topology."""
+    model = model or KNOWN_MODELS.get(spec.model.name)
     if model is None:
         return None
     host = host_memory(spec, shape, model)
@@ -566,6 +571,70 @@ def host_ram_refusal(spec: TPUFineTuneSpec, shape: SliceShape) -> str | None:
         f"{spec.model.name} {method} with {training.optimizer} in {spec.model.dtype} needs "
         f"~{host.peak_bytes / GIB:.0f} GiB of host RAM per host {need}; a {host.machine_type} host has "
         f"{host.ram_bytes // GIB} GiB: {_or_list(host_suggestions(spec))} (`tpuft plan -f` shows the estimate)"
+    )
+
+
+def hbm_warning(p: Plan, ft: TPUFineTune) -> str | None:
+    """What to know when the per-chip estimate exceeds the usable HBM, and what to change; None when
+    it fits. Never a reason to refuse a run (the module docstring says why)."""
+    if p.fits:
+        return None
+    return (
+        f"the estimate, {p.total_bytes / GIB:.2f} GiB per chip, exceeds {1 - HEADROOM:.0%} of HBM "
+        f"({_gib(p.usable_bytes).strip()} of {p.shape.family.hbm_gib_per_chip} GiB); "
+        "the run would likely fail with OUT_OF_MEMORY. "
+        + (_activations_dominate_sentence(p, ft) if p.activations_dominate else "")
+        + "Try: "
+        + "; ".join(suggestions(p, ft))
+        + "."
+    )
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """The plan's verdict on a run for a model's dimensions: the operator's, recomputed with the real
+    figures the prepare Job read (prepare_contract.ModelFigures) before any TPU is requested."""
+
+    params: int
+    hbm_estimate_bytes: float  # per chip
+    hbm_usable_bytes: float  # per chip, HEADROOM kept
+    hbm_gib_per_chip: int
+    host_peak_bytes: float  # per host
+    host_ram_bytes: int  # per host, of its machine type
+    machine_type: str
+    host_refusal: str | None  # why a host cannot hold the run: it fails on spec.tpu.topology
+    hbm_warning: str | None  # the HBM estimate does not fit: said, with what to change; the run goes on
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_refusal is None
+
+    @property
+    def hbm_fits(self) -> bool:
+        return self.hbm_warning is None
+
+    def summary(self) -> str:
+        """The figures in a sentence, e.g. for a condition that says they fit."""
+        return (
+            f"{_count(self.params)} parameters: ~{self.hbm_estimate_bytes / GIB:.1f} GiB per chip of "
+            f"{self.hbm_usable_bytes / GIB:.1f} GiB usable HBM; a host's peak ~{self.host_peak_bytes / GIB:.0f} GiB "
+            f"of its {self.host_ram_bytes // GIB} GiB ({self.machine_type})"
+        )
+
+
+def memory_verdict(ft: TPUFineTune, model: ModelDims) -> MemoryVerdict:
+    """The plan's HBM and host-RAM verdict for a validated TPUFineTune and a model's dimensions."""
+    p = plan(ft, model)
+    return MemoryVerdict(
+        params=model.params,
+        hbm_estimate_bytes=p.total_bytes,
+        hbm_usable_bytes=p.usable_bytes,
+        hbm_gib_per_chip=p.shape.family.hbm_gib_per_chip,
+        host_peak_bytes=p.host.peak_bytes,
+        host_ram_bytes=p.host.ram_bytes,
+        machine_type=p.host.machine_type,
+        host_refusal=host_ram_refusal(ft.spec, p.shape, model),
+        hbm_warning=hbm_warning(p, ft),
     )
 
 
@@ -928,7 +997,8 @@ def _host_rows(p: Plan, ft: TPUFineTune) -> list[str]:
         f"  {'save':<12}{_gib(host.save_bytes)}   staging its shards in RAM at each save (one save in flight)",
         f"  {'load':<12}{_gib(host.load_bytes)}   the largest tensor, whole: {host.largest_tensor} x {w} B",
         f"  {'export':<12}{_gib(host.export_bytes)}   one gather group of the final export",
-        f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: Python, torch_xla/libtpu, the tokenised dataset",
+        f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: Python, torch_xla/libtpu (a prepared dataset"
+        " is memory-mapped: page cache)",
     ]
     ram = host.ram_bytes // GIB
     verdict = "fits" if host.fits else "DOES NOT FIT"
@@ -937,10 +1007,18 @@ def _host_rows(p: Plan, ft: TPUFineTune) -> list[str]:
         f" {host.peak_bytes / host.ram_bytes:.0%} of {ram} GiB ({host.machine_type}): {verdict}"
     )
     if not host.fits:
-        refused = host_ram_refusal(spec, p.shape) is not None
+        known = host_ram_refusal(spec, p.shape) is not None
+        refused = (
+            " (`tpuft render` and the operator refuse this spec: spec.tpu.topology)"
+            if known
+            else " (the operator refuses this spec once its prepare Job has read the model, before any TPU"
+            " is requested: spec.tpu.topology)"
+            if spec.prepare.enabled
+            else ""
+        )
         rows.append(
             f"WARNING: a host needs more RAM than its {ram} GiB; it would likely run out of host memory"
-            + (" (`tpuft render` and the operator refuse this spec: spec.tpu.topology)" if refused else "")
+            + refused
             + ". Try: "
             + "; ".join(host_suggestions(spec))
             + "."
@@ -981,15 +1059,9 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
     rows.append(
         f"  {'total':<12}{_gib(p.total_bytes)}   {share:.0%} of {fam.hbm_gib_per_chip} GiB: {verdict}"
     )
-    if not p.fits:
-        rows.append(
-            f"WARNING: the estimate exceeds {1 - HEADROOM:.0%} of HBM ({_gib(p.usable_bytes).strip()}); "
-            "the run would likely fail with OUT_OF_MEMORY. "
-            + (_activations_dominate_sentence(p, ft) if p.activations_dominate else "")
-            + "Try: "
-            + "; ".join(suggestions(p, ft))
-            + "."
-        )
+    warning = hbm_warning(p, ft)
+    if warning is not None:
+        rows.append(f"WARNING: {warning}")
     elif share > 0.75:
         rows.append("note: tight; XLA's temporary buffers may push it over. Leave some margin.")
     rows += _host_rows(p, ft)

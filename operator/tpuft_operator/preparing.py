@@ -8,7 +8,13 @@ figures (tpuft_trainer/prepare_contract.py) or the trainer's error. What the rec
   DataPrepared True and status.data.settingsHash equal): never prepare again (restart, resume, a
   deleted JobSet recreated);
 - `job_state`: where the current Job stands (`JobState`), from the Job and its pods;
-- `data_status`: status.data from a summary and the spec (steps per epoch, epochs covered).
+- `data_status`: status.data from a summary and the spec (steps per epoch, epochs covered);
+- `memory_verdict`: the plan's HBM and host-RAM verdict (plan.py) recomputed with the model's real
+  dimensions, which the prepare pod read from its config.json and weight files' headers: for any
+  model, not only those of the plan's catalog that validation can judge. A host that cannot hold the
+  run fails it before the JobSet (on spec.tpu.topology, as validation does for the catalog's models);
+  an HBM estimate over capacity is said (condition MemoryFits=False, a Warning Event) but never
+  refused: that estimate is too rough to block a run (plan.py).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from tpuft_operator import plan
+from tpuft_operator.api.validation import SpecError, parse_run
 from tpuft_operator.render.jobset import FINETUNE_LABEL, FINETUNE_UID_LABEL
 from tpuft_operator.render.prepare_job import (
     COMPONENT_LABEL,
@@ -30,6 +38,9 @@ from tpuft_trainer.prepare_contract import PrepareSummary, parse_error
 
 Obj = Mapping[str, Any]
 DATA_PREPARED = "DataPrepared"
+MEMORY_FITS = "MemoryFits"  # the plan's verdict with the model's real dimensions
+HOST_RAM_EXCEEDED = "HostRamExceeded"  # a host cannot hold the run: it fails before the JobSet
+HBM_ESTIMATE_EXCEEDED = "HbmEstimateExceeded"  # said, with what to change; the run goes on
 
 
 class Stage(StrEnum):
@@ -234,10 +245,57 @@ def prepared_message(summary: PrepareSummary | None) -> str:
     )
 
 
+def memory_verdict(finetune: Obj, summary: PrepareSummary | None) -> plan.MemoryVerdict | None:
+    """The plan's verdict on run ``finetune`` with the model's dimensions in ``summary``; None when the
+    prepare pod reported none (an older trainer, a config it could not read them from) or the spec
+    does not validate (its condition Valid says why). Parsed from the object itself, so the status
+    derived from the same observations is the same whichever operator process derives it."""
+    if summary is None or summary.model is None:
+        return None
+    try:
+        run = parse_run(
+            {k: finetune[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in finetune},
+            check_host_ram=False,  # judged here, with the real dimensions
+        )
+    except SpecError:
+        return None
+    source = f"{run.finetune.spec.model.name} as the prepare Job read it"
+    return plan.memory_verdict(run.finetune, plan.dims_from_figures(summary.model, source))
+
+
+def host_refusal_message(verdict: plan.MemoryVerdict) -> str:
+    """Why the run fails before its JobSet: the field, then the reason with its figures."""
+    return (
+        f"spec.tpu.topology: {verdict.host_refusal}; found with the model's dimensions as the prepare Job "
+        "read them, before any TPU was requested (change the spec and recreate the TPUFineTune)"
+    )
+
+
+def memory_condition(verdict: plan.MemoryVerdict) -> tuple[str, str, str]:
+    """Condition MemoryFits: (status, reason, message)."""
+    if verdict.host_refusal is not None:
+        return "False", HOST_RAM_EXCEEDED, host_refusal_message(verdict)
+    if verdict.hbm_warning is not None:
+        return (
+            "False",
+            HBM_ESTIMATE_EXCEEDED,
+            f"with the model's real dimensions (as the prepare Job read them) {verdict.hbm_warning} The run "
+            "goes on: the HBM estimate is too rough to refuse a run on (docs/plan.md); the trainer exits with "
+            "OUT_OF_MEMORY (78) if the chips run out",
+        )
+    return "True", "Fits", f"the plan with the model's real dimensions fits: {verdict.summary()}"
+
+
 def data_status(
-    summary: PrepareSummary | None, settings_hash: str, *, global_batch: int | None, max_steps: int | None
+    summary: PrepareSummary | None,
+    settings_hash: str,
+    *,
+    global_batch: int | None,
+    max_steps: int | None,
+    verdict: plan.MemoryVerdict | None = None,
 ) -> dict[str, Any]:
-    """status.data for ``summary`` (camelCase, as the API's DataStatus)."""
+    """status.data for ``summary`` (camelCase, as the API's DataStatus), with the plan's ``verdict``
+    recomputed from it (status.data.plan)."""
     data: dict[str, Any] = {"settingsHash": settings_hash}
     if summary is None:
         return data
@@ -258,4 +316,15 @@ def data_status(
         data["stepsPerEpoch"] = steps
         if max_steps and steps:
             data["epochsCovered"] = round(max_steps / steps, 2)
+    if verdict is not None:
+        gib = float(plan.GIB)
+        data["plan"] = {
+            "params": verdict.params,
+            "hbmEstimateGiB": round(verdict.hbm_estimate_bytes / gib, 2),
+            "hbmUsableGiB": round(verdict.hbm_usable_bytes / gib, 2),
+            "hbmFits": verdict.hbm_fits,
+            "hostPeakGiB": round(verdict.host_peak_bytes / gib, 2),
+            "hostRamGiB": verdict.host_ram_bytes // plan.GIB,
+            "hostFits": verdict.host_fits,
+        }
     return data

@@ -96,13 +96,17 @@ def decide(
         return Decision()  # finished runs are never restarted or recreated
     if jobset is None:
         if prepare is not None and not preparing.is_prepared(finetune, prepare.settings_hash):
-            stage = prepare.state().stage
+            state = prepare.state()
+            stage = state.stage
             if stage is Stage.ABSENT:
                 return Decision(create_prepare_job=True)
             if stage is Stage.STALE:
                 return Decision(delete_prepare_job=True)
             if stage is not Stage.SUCCEEDED:
                 return Decision()  # preparing; or failed, which the status says (and then is final)
+            verdict = preparing.memory_verdict(finetune, state.summary)
+            if verdict is not None and verdict.host_refusal is not None:
+                return Decision()  # a host cannot hold the run: the status fails it, no TPU is asked for
         return Decision(create=True, recreated=bool(status.get("jobSetName")))
     spec = finetune.get("spec") or {}
     want_suspended = bool(spec.get("suspend"))
@@ -874,6 +878,16 @@ class Reconciler:
         ):
             log.info("data prepared: %s", prepared["message"])
             event("Normal", preparing.DATA_PREPARED, str(prepared["message"]))
+        memory = _condition_of(derived, preparing.MEMORY_FITS)
+        if (
+            memory is not None
+            and memory["reason"] == preparing.HBM_ESTIMATE_EXCEEDED
+            and (_condition_of(current, preparing.MEMORY_FITS) or {}).get("reason") != memory["reason"]
+        ):
+            # Once, when the verdict is first written; a host that cannot hold the run fails it instead,
+            # which the phase's own Event says.
+            log.warning("%s: %s", memory["reason"], memory["message"])
+            event("Warning", str(memory["reason"]), str(memory["message"]))
         waits = _condition_of(derived, "Created")
         if (
             waits is not None

@@ -7,6 +7,8 @@ The phase machine (one transition a line; "terminal" phases never change again):
                   preparing.py) runs on CPU; condition DataPrepared=False says how far it is
     Failed     <- the prepare Job failed: a user error of the trainer (exit codes 64-78, its message
                   names the field) or its retries or deadline ran out; no JobSet was ever created
+    Failed     <- the prepare Job succeeded, but the plan recomputed with the model's real dimensions
+                  says a host cannot hold the run (MemoryFits=False, spec.tpu.topology); no JobSet
     Suspended  <- spec.suspend is true
     Queued     <- spec.queueName is set and the JobSet is still suspended (Kueue has not admitted it,
                   or evicted it): the `Queued` condition says why, from Kueue's Workload (queueing.py)
@@ -237,6 +239,23 @@ def _derive_phase(obs: Observed) -> _Derived:
         if state.stage is Stage.SUCCEEDED:
             reused = state.summary is not None and state.summary.reused
             valid[DATA_PREPARED] = ("True", "Reused" if reused else "Prepared", state.message)
+            verdict = preparing.memory_verdict(obs.finetune, state.summary)
+            if verdict is not None:
+                valid[preparing.MEMORY_FITS] = preparing.memory_condition(verdict)
+            if jobset is None and verdict is not None and verdict.host_refusal is not None:
+                # As validation refuses the catalog's models: the spec cannot run on its topology.
+                message = preparing.host_refusal_message(verdict)
+                reason = preparing.HOST_RAM_EXCEEDED
+                return _Derived(
+                    Phase.FAILED,
+                    reason,
+                    message,
+                    {
+                        **valid,
+                        "Valid": ("False", "InvalidSpec", message),
+                        "Failed": ("True", reason, message),
+                    },
+                )
         elif jobset is None and state.stage is Stage.FAILED:
             failed = ("False", state.reason, state.message)
             return _Derived(
@@ -387,6 +406,7 @@ def _data(obs: Observed, previous: Obj, chips: int | None) -> dict[str, Any] | b
             prepare.settings_hash,
             global_batch=global_batch(spec, chips) if chips else None,
             max_steps=(spec.get("training") or {}).get("maxSteps"),
+            verdict=preparing.memory_verdict(obs.finetune, state.summary),
         )
     return None if before else False
 

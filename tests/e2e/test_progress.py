@@ -1,7 +1,8 @@
 """Progress from a real FSDPv2 run: the pod's `tpuft train` runs on this host (4 PJRT CPU devices for
 a v5e 2x2 host) and rank 0 reports into status.progress with the pod's own (pod-bound) token. Before
 it, the run's prepare pod's real `tpuft prepare` runs on this host too: the data's figures reach
-status.data, and a run whose dataset lacks its text field fails while Preparing, with no JobSet."""
+status.data with the plan's verdict recomputed from the model it read, and a run whose dataset lacks its
+text field fails while Preparing, with no JobSet."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.support import get_json, patch_status_as, tpu_pods_of, wait_for
 from tpuft_dev.cluster.executor import LocalExecutor
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_dev.demo import build_assets, host_run
+from tpuft_operator.plan import dims_from_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
 
@@ -66,6 +68,13 @@ def test_progress_from_a_real_training_run_reaches_status(
     # finds the first one's set complete and reuses it.)
     prepared = next(c for c in done["status"]["conditions"] if c["type"] == "DataPrepared")
     assert (prepared["status"], prepared["reason"]) == ("True", "Reused" if data["reused"] else "Prepared")
+    # The plan's verdict, recomputed with the model's dimensions the prepare pod read (a local model the
+    # operator cannot read): its parameters counted from the safetensors header, and it fits.
+    config = json.loads((root / "model" / "config.json").read_text())
+    assert data["plan"]["params"] == dims_from_config(config, "").params, data
+    assert data["plan"]["hbmFits"] is data["plan"]["hostFits"] is True, data
+    fits = next(c for c in done["status"]["conditions"] if c["type"] == "MemoryFits")
+    assert (fits["status"], fits["reason"]) == ("True", "Fits"), fits
     # The broken dataset failed in Preparing, in the trainer's words, and never got a JobSet.
     failed = wait_for(
         lambda: (

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from tpuft_trainer import data
 from tpuft_trainer.config import DatasetSource
-from tpuft_trainer.data import prepare, prepared
+from tpuft_trainer.data import prepare, prepared, sources
 from tpuft_trainer.errors import DataError, NotFoundError, PermissionDeniedError
 
 pytestmark = pytest.mark.trainer
@@ -201,8 +201,16 @@ def test_tpuft_prepare_reports_its_figures_and_errors_with_their_exit_codes(tmp_
     assert (summary.documents, summary.dropped, summary.eval_rows, summary.reused) == (30, 0, 10, False)
     assert summary.positions == summary.rows * 64 and 0 < summary.loss_tokens < summary.positions
     assert summary.tokens_per_second > 0
+    # The model's dimensions for the operator's plan: its config's, and its parameters counted from
+    # the safetensors header (the weights unread), which is the model's own count.
+    figures = summary.model
+    assert figures is not None, body
+    layout = (figures.hidden_size, figures.num_layers, figures.intermediate_size, figures.num_heads)
+    assert (*layout, figures.num_kv_heads, figures.vocab_size) == (64, 2, 128, 4, 2, tiny.VOCAB_SIZE)
+    assert figures.params == tiny.model().num_parameters()
     code, body, _ = run_prepare(tmp_path, name=path, packing=True, eval_fraction=0.25)
     assert code == 0 and body["reused"] is True and body["seconds"] == 0
+    assert body["model"]["params"] == figures.params  # reused data, the model checked all the same
     # A user error: exit 65 (the run fails, no TPU), the message naming the field to set.
     code, body, _ = run_prepare(tmp_path, name=path, text_field="body")
     error = parse_error(json.dumps(body))
@@ -213,6 +221,32 @@ def test_tpuft_prepare_reports_its_figures_and_errors_with_their_exit_codes(tmp_
         weights.unlink()
     code, body, _ = run_prepare(tmp_path, name=path)
     assert code == 66 and "has no weight files" in body["error"], body
+
+
+def test_a_bucket_models_parameters_are_counted_from_its_headers_and_never_fail_the_check(
+    tmp_path: Path,
+) -> None:
+    import fsspec
+
+    from tpuft_trainer.config import ModelSource
+
+    local = tiny.save_model_dir(tmp_path / "model")
+    fs = fsspec.filesystem("memory")
+    fs.put(str(local) + "/", "/models/tiny/", recursive=True)
+    weights = sources.weight_files(ModelSource(name="memory://models/tiny"), "")
+    assert weights == ["model.safetensors"]
+    source = ModelSource(name="memory://models/tiny")
+    assert sources.parameter_count(source, "", weights) == tiny.model().num_parameters()
+    # Not a safetensors header: no count (the plan computes it from config.json), not an error.
+    fs.pipe("/models/tiny/model.safetensors", b"\xff" * 64)
+    assert sources.parameter_count(source, "", weights) is None
+    assert sources.parameter_count(source, "", ["pytorch_model.bin"]) is None
+    fs.rm("/models", recursive=True)
+    # A config without a decoder-only transformer's dimensions: no figures (the operator then has no
+    # verdict to recompute), not a failure of the pre-flight.
+    from tpuft_trainer.data import preflight
+
+    assert preflight.model_figures("t5", {"d_model": 512, "num_layers": 6}, None) is None
 
 
 def test_the_output_must_be_writable_before_any_tpu_is_requested(monkeypatch: pytest.MonkeyPatch) -> None:

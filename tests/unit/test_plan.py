@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from tpuft_operator import plan as planning
 from tpuft_operator.api.validation import parse
 from tpuft_operator.plan_cli import find_config
 from tpuft_operator.plan_cli import plan as plan_command
+from tpuft_trainer.prepare_contract import ModelFigures
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,6 +124,32 @@ def test_dims_from_a_llama_config_match_the_table() -> None:
         planning.dims_from_config(config, "x").params
         == planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"].params
     )
+
+
+def test_dims_from_reported_figures_take_the_counted_parameters_over_the_computed() -> None:
+    """The prepare Job's figures: the architecture from config.json, the parameters counted from the
+    weight files' headers when it could (a model whose layers are not Llama-style counts right)."""
+    config = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336}
+    config |= {"num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+    figures = ModelFigures.from_config(config)
+    computed = planning.dims_from_figures(figures, "x")
+    assert computed.params == planning.KNOWN_MODELS["meta-llama/Llama-3.1-8B"].params
+    counted = planning.dims_from_figures(replace(figures, params=8_100_000_000), "x")
+    assert counted.params == 8_100_000_000 and counted.num_layers == 32 and counted.kv_width == 1024
+    with pytest.raises(ValueError, match="config x: no hidden_size or n_embd"):
+        planning.dims_from_config({"d_model": 512}, "config x")
+
+
+def test_a_host_the_operator_refuses_only_after_preparing_says_so_in_the_plan() -> None:
+    spec = _unchecked(
+        model={"name": "org/private-70b", "dtype": "float32"},  # not in the catalog
+        tpu={"type": "v5e", "topology": "4x4"},
+        training={"optimizer": "adamw"},
+    )
+    text = planning.format_plan(planning.plan(spec, LLAMA_70B), spec)
+    warning = next(line for line in text.splitlines() if line.startswith("WARNING: a host needs"))
+    assert "the operator refuses this spec once its prepare Job has read the model" in warning
+    assert "tpuft render" not in warning  # validation cannot read the model: it does not refuse
 
 
 def test_dims_from_params_is_a_plausible_shape() -> None:

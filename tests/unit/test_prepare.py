@@ -7,7 +7,9 @@ against the local cluster is in tests/e2e (test_operator_lifecycle, test_kueue, 
 from __future__ import annotations
 
 import copy
+import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from tests.unit.test_reconciler import OURS, Events, RecordingApi, reconciler
 from tests.unit.test_render import BASE, pod_spec, with_spec
 from tests.unit.test_status import NOW, cond, jobset
 from tests.unit.test_status import finetune as status_finetune
-from tpuft_operator import preparing
+from tpuft_operator import plan, preparing
 from tpuft_operator.api.validation import SpecError, parse
 from tpuft_operator.reconcile import Decision, decide
 from tpuft_operator.render import RenderSettings, render_run
@@ -26,7 +28,7 @@ from tpuft_operator.slim import slim_pod
 from tpuft_operator.status import Observed, derive_status
 from tpuft_operator.topology import TPU_RESOURCE
 from tpuft_trainer.pod_contract import TRAINER_CONFIG_ANNOTATION
-from tpuft_trainer.prepare_contract import PrepareSummary, error_message
+from tpuft_trainer.prepare_contract import SUMMARY_LIMIT, ModelFigures, PrepareSummary, error_message
 
 SUMMARY = PrepareSummary(
     fingerprint="a1b2c3",
@@ -441,9 +443,10 @@ def test_prepare_disabled_goes_straight_to_the_jobset() -> None:
 
 
 class JobApi(RecordingApi):
-    def __init__(self) -> None:
+    def __init__(self, run: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.deleted: list[tuple[str, str | None]] = []
+        self.run = run  # the run the apiserver holds (None: new_run())
 
     def delete_job(self, namespace: str, name: str, *, uid: str | None = None) -> None:
         self.calls.append(("delete", "Job"))
@@ -452,7 +455,7 @@ class JobApi(RecordingApi):
     def patch_finetune_status(self, namespace: str, name: str, status: Any) -> dict[str, Any]:
         """The run (of BASE, prepare enabled) as the apiserver answers a status patch."""
         super().patch_finetune_status(namespace, name, status)
-        body = new_run()
+        body = copy.deepcopy(self.run) if self.run is not None else new_run()
         body["metadata"]["resourceVersion"] = str(self.resource_version)
         body["status"] = copy.deepcopy(self.last_status)
         return body
@@ -589,3 +592,180 @@ def test_the_figures_reach_the_status_when_its_first_write_after_the_jobset_wait
     assert api.last_status["phase"] == "Pending"
     assert api.last_status["data"]["rows"] == 640
     assert cond(api.last_status, "DataPrepared")["status"] == "True"
+
+
+# ------------------------------------------------- the plan's verdict with the model's real dimensions
+# A 70B-class model outside the plan's catalog (validation cannot judge it), as the prepare Job reads it:
+# its config's dimensions, its parameters counted from its safetensors headers.
+PRIVATE_70B = ModelFigures(
+    hidden_size=8192,
+    num_layers=80,
+    intermediate_size=28672,
+    num_heads=64,
+    num_kv_heads=8,
+    vocab_size=128256,
+    params=70_553_706_496,
+)
+# A v5e host (192 GiB) staging its share of a float32 full fine-tune's adamw checkpoint on 4x4: ~209 GiB.
+SMALL_HOSTS: dict[str, Any] = {
+    "model": {"name": "org/private-70b", "dtype": "float32"},
+    "tpu": {"type": "v5e", "topology": "4x4"},
+    "training": {"maxSteps": 25, "method": "full", "optimizer": "adamw"},
+}
+
+
+def reported(model: ModelFigures | None) -> list[dict[str, Any]]:
+    """The pod of a Job that prepared the data and read ``model``."""
+    return [prepare_pod("Succeeded", exit_code=0, message=replace(SUMMARY, model=model).to_message())]
+
+
+def test_a_model_outside_the_catalog_no_host_can_hold_fails_before_any_tpu_naming_the_topology() -> None:
+    ft = status_finetune(None, **SMALL_HOSTS)
+    parse(ft)  # validation lets it through: it cannot read the model
+    pods = reported(PRIVATE_70B)
+    status = observe(ft, job("Complete"), pods)
+    assert status["phase"] == "Failed" and "jobSetName" not in status
+    assert status["message"].startswith(
+        "spec.tpu.topology: org/private-70b full fine-tune with adamw in float32 needs ~209 GiB of host RAM "
+        "per host to save a checkpoint"
+    ), status["message"]
+    assert "a ct5lp-hightpu-4t host has 192 GiB: use a larger topology" in status["message"]
+    expected = {
+        "Valid": ("False", "InvalidSpec"),  # as validation says it of the catalog's models
+        "Failed": ("True", "HostRamExceeded"),
+        "MemoryFits": ("False", "HostRamExceeded"),
+        "DataPrepared": ("True", "Prepared"),
+    }
+    assert {t: (cond(status, t)["status"], cond(status, t)["reason"]) for t in expected} == expected
+    figures = status["data"]["plan"]
+    assert figures["params"] == PRIVATE_70B.params and figures["hostFits"] is False
+    assert figures["hostPeakGiB"] > figures["hostRamGiB"] == 192
+    # No JobSet, so no TPU, is ever asked for; on twice the hosts the same model runs.
+    assert decide(ft, True, None, prepare=seen(job("Complete"), pods)) == Decision()
+    larger = status_finetune(None, **{**SMALL_HOSTS, "tpu": {"type": "v5e", "topology": "4x8"}})
+    assert decide(larger, True, None, prepare=seen(job("Complete"), pods)) == Decision(create=True)
+    assert observe(larger, job("Complete"), pods)["data"]["plan"]["hostFits"] is True
+
+
+def test_a_model_that_fits_goes_on_with_its_verdict_in_the_status() -> None:
+    # A bucket model whose weights are .bin files: no count, the plan computes it from the dimensions.
+    one_b = ModelFigures(2048, 16, 8192, 32, 8, 128256, tied_embeddings=True)
+    ft = status_finetune(
+        None,
+        model={"name": "gs://bucket/models/private-1b"},
+        tpu={"type": "v5e", "topology": "2x2"},
+        training={"maxSteps": 25, "method": "lora", "perDeviceBatchSize": 2},
+    )
+    status = observe(ft, job("Complete"), reported(one_b))
+    assert status["phase"] == "Pending"
+    fits = cond(status, "MemoryFits")
+    assert (fits["status"], fits["reason"]) == ("True", "Fits")
+    assert "1.24 B parameters" in fits["message"] and "of its 192 GiB (ct5lp-hightpu-4t)" in fits["message"]
+    figures = status["data"]["plan"]
+    assert figures["params"] == plan.dims_from_figures(one_b, "").params
+    assert figures["hbmFits"] is figures["hostFits"] is True
+    assert figures["hbmEstimateGiB"] < figures["hbmUsableGiB"] == 14.4
+    assert decide(ft, True, None, prepare=seen(job("Complete"), reported(one_b))) == Decision(create=True)
+
+
+def test_an_hbm_estimate_over_the_chips_is_said_with_what_to_change_but_never_refused() -> None:
+    eight_b = ModelFigures(4096, 32, 14336, 32, 8, 128256, params=8_030_261_248)
+    ft = status_finetune(
+        None,
+        model={"name": "org/private-8b"},
+        tpu={"type": "v5e", "topology": "2x2"},
+        training={"maxSteps": 25, "method": "full", "optimizer": "adamw"},
+    )
+    status = observe(ft, job("Complete"), reported(eight_b))
+    assert status["phase"] == "Pending"  # the JobSet comes next
+    over = cond(status, "MemoryFits")
+    assert (over["status"], over["reason"]) == ("False", "HbmEstimateExceeded")
+    assert "GiB per chip, exceeds 90% of HBM (14.40 GiB of 16 GiB)" in over["message"]
+    assert "Try: " in over["message"] and "training.method: lora" in over["message"]
+    assert "The run goes on" in over["message"]
+    figures = status["data"]["plan"]
+    assert figures["hbmFits"] is False and figures["hostFits"] is True
+    assert figures["hbmEstimateGiB"] > figures["hbmUsableGiB"]
+    assert decide(ft, True, None, prepare=seen(job("Complete"), reported(eight_b))) == Decision(create=True)
+
+
+def test_without_the_models_figures_there_is_no_verdict_and_the_run_goes_on() -> None:
+    """An older trainer's summary, or a config it read no dimensions from: validation's word stands."""
+    ft = status_finetune(None, **SMALL_HOSTS)
+    status = observe(ft, job("Complete"), reported(None))
+    assert status["phase"] == "Pending" and "plan" not in status["data"]
+    assert all(c["type"] != "MemoryFits" for c in status["conditions"])
+
+
+def test_the_summary_carries_the_models_figures_and_an_older_summary_still_parses() -> None:
+    new = replace(SUMMARY, model=PRIVATE_70B)
+    assert PrepareSummary.from_message(new.to_message()) == new
+    # What a trainer before the figures wrote: parsed as it was, with no model.
+    old = (
+        '{"documents":1000,"dropped":3,"evalRows":20,"fingerprint":"a1b2c3","lossTokens":327680,'
+        '"positions":655360,"reused":false,"rows":640,"seconds":42.4,"tokensPerSecond":15000.0}'
+    )
+    assert PrepareSummary.from_message(old) == SUMMARY
+    # A malformed model leaves the data's figures standing.
+    body = json.loads(new.to_message())
+    for broken in (
+        {**body["model"], "numLayers": "80"},
+        {"hiddenSize": 8192},
+        [1, 2],
+        {**body["model"], "gatedMlp": 1},
+    ):
+        assert PrepareSummary.from_message(json.dumps({**body, "model": broken})) == SUMMARY, broken
+    # The largest figures stay far within the termination message's limit.
+    huge = PrepareSummary(
+        fingerprint="f" * 128,
+        reused=False,
+        documents=10**12,
+        dropped=10**12,
+        rows=10**12,
+        positions=10**15,
+        loss_tokens=10**15,
+        eval_rows=10**12,
+        seconds=1e6 / 7,
+        tokens_per_second=1e9 / 7,
+        model=replace(PRIVATE_70B, head_dim=256, experts=256, experts_per_token=16, params=10**13),
+    )
+    assert len(huge.to_message().encode()) < SUMMARY_LIMIT // 4
+
+
+def test_the_reconciler_fails_a_run_no_host_can_hold_without_a_jobset_and_says_why() -> None:
+    run = new_run()
+    run["spec"].update(copy.deepcopy(SMALL_HOSTS))
+    api, events = JobApi(run), ReasonsAndMessages()
+    r, _ = reconciler(api)
+    r.reconcile(run, None, [], event=events)
+    created = api.bodies[-1]
+    assert created["kind"] == "Job"
+    live = preparing.slim_job({**created, "metadata": {**created["metadata"], "uid": "job-1"}})
+    live["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    r.reconcile(
+        {**run, "status": api.last_status}, None, reported(PRIVATE_70B), event=events, prepare_job=live
+    )
+    assert ("create", "JobSet") not in api.calls
+    assert api.last_status["phase"] == "Failed"
+    assert events.posted[-2:] == ["Failed", "DataPrepared"]
+    assert events.messages["Failed"].startswith("spec.tpu.topology: org/private-70b full fine-tune")
+
+
+def test_the_reconciler_warns_once_of_an_hbm_estimate_over_the_chips_and_starts_the_run() -> None:
+    run = new_run()
+    run["spec"]["training"] = {"maxSteps": 25, "method": "full", "optimizer": "adamw"}
+    run["spec"]["model"] = {"name": "org/private-8b"}
+    api, events = JobApi(run), ReasonsAndMessages()
+    r, _ = reconciler(api)
+    r.reconcile(run, None, [], event=events)
+    created = api.bodies[-1]
+    live = preparing.slim_job({**created, "metadata": {**created["metadata"], "uid": "job-1"}})
+    live["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    pods = reported(ModelFigures(4096, 32, 14336, 32, 8, 128256))
+    r.reconcile({**run, "status": api.last_status}, None, pods, event=events, prepare_job=live)
+    assert ("create", "JobSet") in api.calls
+    assert events.posted.count("HbmEstimateExceeded") == 1
+    assert "Try: " in events.messages["HbmEstimateExceeded"]
+    js = {"metadata": {"name": "run", "namespace": "ns", "ownerReferences": OURS}, "spec": {}, "status": {}}
+    r.reconcile({**run, "status": api.last_status}, js, pods, event=events, prepare_job=live)
+    assert events.posted.count("HbmEstimateExceeded") == 1

@@ -134,8 +134,9 @@ def prepare(config_path: Path, workers: int | None, summary_file: Path | None) -
     completion marker written last). A complete one with the same fingerprint is reused as it is:
     `tpuft train` then reads it instead of tokenising. Also checks that the model's config and
     tokenizer are readable with the run's token, its weight files are there, and the output is
-    writable. Exit codes as `tpuft train`'s: 64-78 are user errors (the run fails, no TPU is
-    requested); anything else is retried.
+    writable, and reports the model's dimensions (its parameters counted from the safetensors
+    headers) for the operator's plan. Exit codes as `tpuft train`'s: 64-78 are user errors (the run
+    fails, no TPU is requested); anything else is retried.
     """
     _setup_logging()
     config = _load_config(config_path, summary_file)
@@ -153,19 +154,20 @@ def prepare(config_path: Path, workers: int | None, summary_file: Path | None) -
             log.error("prepare failed (%s, exit %d): %s", ExitCode(code).name, code, error)
         _write_summary(summary_file, error_message(str(error), code))
         sys.exit(code)
-    manifest = ready.manifest
+    manifest = ready.prepared.manifest
     train = manifest.splits[TRAIN]
     summary = PrepareSummary(
         fingerprint=manifest.fingerprint,
-        reused=ready.reused,
+        reused=ready.prepared.reused,
         documents=train.documents,
         dropped=train.dropped,
         rows=train.rows,
         positions=manifest.positions(),
         loss_tokens=train.loss_tokens,
         eval_rows=manifest.splits[EVAL].rows if EVAL in manifest.splits else 0,
-        seconds=0.0 if ready.reused else manifest.seconds,
-        tokens_per_second=0.0 if ready.reused else manifest.tokens_per_second,
+        seconds=0.0 if ready.prepared.reused else manifest.seconds,
+        tokens_per_second=0.0 if ready.prepared.reused else manifest.tokens_per_second,
+        model=ready.model,
     )
     _write_summary(summary_file, summary.to_message())
     click.echo(summary.to_message())

@@ -1011,6 +1011,37 @@ class Goodput(_Spec):
     )
 
 
+class DataPlan(_Spec):
+    """The plan's memory verdict recomputed with the model's real dimensions, which the prepare Job
+    read from its config.json and weight files' headers (docs/plan.md)."""
+
+    params: int = Field(
+        ge=0, description="The model's parameters (counted from its weight files' headers when listed)."
+    )
+    hbm_estimate_gib: float = Field(
+        ge=0, alias="hbmEstimateGiB", description="Estimated HBM per chip (GiB): weights, state, activations."
+    )
+    hbm_usable_gib: float = Field(
+        ge=0,
+        alias="hbmUsableGiB",
+        description="HBM per chip the estimate is compared with (GiB, 10% kept back).",
+    )
+    hbm_fits: bool = Field(
+        description="The HBM estimate fits; when not, condition MemoryFits says what to change (never refused)."
+    )
+    host_peak_gib: float = Field(
+        ge=0,
+        alias="hostPeakGiB",
+        description="Estimated peak host RAM per host (GiB): runtime + load/save/export.",
+    )
+    host_ram_gib: int = Field(
+        ge=0, alias="hostRamGiB", description="RAM of one host of the slice's machine type (GiB)."
+    )
+    host_fits: bool = Field(
+        description="A host holds the run; when not, the run failed before its JobSet (spec.tpu.topology)."
+    )
+
+
 class DataStatus(_Spec):
     """The prepared dataset's figures, as the prepare Job reported them (docs/operator.md, "Preparing")."""
 
@@ -1050,6 +1081,13 @@ class DataStatus(_Spec):
     )
     prepared_seconds: float | None = Field(
         default=None, ge=0, description="Wall time of the preparation (0 when reused)."
+    )
+    plan: DataPlan | None = Field(
+        default=None,
+        description=(
+            "The plan's HBM and host-RAM verdict recomputed with the model's real dimensions (condition "
+            "MemoryFits)."
+        ),
     )
 
 

@@ -9,6 +9,7 @@ to a local cache first because ``from_pretrained`` reads local files only; for a
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -201,3 +202,57 @@ def weight_files(source: ModelSource, location: str) -> list[str]:
     except Exception as error:
         raise hub_errors(error, f"model {source.name}") from error
     return sorted(name for name in names if name.endswith(WEIGHT_SUFFIXES))
+
+
+SAFETENSORS_HEADER_LIMIT = 100 * 1024**2  # a header larger than this is not a safetensors header
+
+
+def parameter_count(source: ModelSource, location: str, weights: list[str]) -> int | None:
+    """The model's parameters, from the tensor shapes in its safetensors files' headers: a few kB of
+    each file read (ranges, never the weights). None when it has no safetensors files (e.g. .bin) or
+    the headers cannot be read: the count is a figure for the operator's plan, which then computes
+    it from the config's dimensions, never a reason to fail the pre-flight."""
+    files = [name for name in weights if name.endswith(".safetensors") and "/" not in name]
+    if not files:
+        return None
+    try:
+        if not is_uri(source.name) and not looks_local(source.name):
+            from huggingface_hub import get_safetensors_metadata
+
+            found = get_safetensors_metadata(source.name, revision=source.revision, token=token(source))
+            return int(sum(found.parameter_count.values()))
+        import fsspec
+
+        root = source.name if is_uri(source.name) else location
+        fs, path = fsspec.core.url_to_fs(root)
+        paths = [f"{path.rstrip('/')}/{name}" for name in files]
+        # Two rounds of ranged reads over every file (batched: concurrent on a bucket): each header's
+        # length (8 bytes, little-endian), then the header (JSON: each tensor's dtype and shape).
+        lengths = [
+            int.from_bytes(head, "little")
+            for head in fs.cat_ranges(paths, [0] * len(paths), [8] * len(paths))
+        ]
+        if any(n <= 0 or n > SAFETENSORS_HEADER_LIMIT for n in lengths):
+            raise ValueError(f"not a safetensors header length: {lengths}")
+        headers = fs.cat_ranges(paths, [8] * len(paths), [8 + n for n in lengths])
+        return sum(_header_parameters(json.loads(header)) for header in headers)
+    except Exception as error:  # a figure, not a check: the pre-flight's checks passed already
+        log.warning(
+            "model %s: its parameters could not be counted from the weight files' headers (%s); "
+            "the operator's plan computes them from config.json",
+            source.name,
+            error,
+        )
+        return None
+
+
+def _header_parameters(header: dict[str, Any]) -> int:
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for size in entry["shape"]:
+            count *= int(size)
+        total += count
+    return total
