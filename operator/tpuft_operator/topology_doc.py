@@ -107,9 +107,9 @@ def topology_markdown() -> str:
         "## The trainer's stack on each family",
         "",
         "The catalog lists every shape GKE offers; that is not a claim that the trainer runs on each. "
-        "The default backend, `xla` (torch_xla 2.9.0 SPMD), targets v4, v5e, v5p and v6e; on tpu7x the "
-        "apiserver refuses it at apply time (`spec.backend`): " + _sentence(XLA_ON_TPU7X_MESSAGE) + " "
-        "Backend `native` (torch-native FSDP2 on TorchTPU) is offered on every family: "
+        "The default backend, `xla` (torch_xla 2.9.0 SPMD), targets v4, v5e, v5p and v6e; the apiserver "
+        "refuses it on tpu7x (`spec.backend`), saying why. " + _sentence(XLA_ON_TPU7X_MESSAGE) + " "
+        "Backend `native` (torch-native FSDP2 on TorchTPU) is offered on every family. "
         + _sentence(trainer_stack_caveat({"backend": "native"}) or "")
         + f" A native run gets condition `{CONDITION}=False` (reason `{REASON_NATIVE}`) and a Warning "
         f"Event `{EVENT_REASON}` with those words when its JobSet is created, and `tpuft plan` prints "

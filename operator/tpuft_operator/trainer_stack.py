@@ -37,8 +37,8 @@ NATIVE_CAVEAT = (
     f"backend native is unverified on TPU: it runs torch-native FSDP2 on TorchTPU (torch-tpu "
     f"{TORCH_TPU_VERSION}, Beta: torch 2.11-2.15, libtpu >= 0.0.50), which tpuft has verified on CPU "
     "with gloo only (losses, checkpoints, resume), never on a TPU slice: the tpu_dist collectives, bf16 "
-    "numerics and throughput are unchecked (docs/trainer.md lists the commands to check them on a "
-    "slice). The run is not refused; if it fails to start or runs far slower than `tpuft plan` "
+    'numerics and throughput are unchecked (docs/trainer.md, "What CPU runs prove, and what they '
+    'cannot"). The run is not refused; if it fails to start or runs far slower than `tpuft plan` '
     "estimates, this stack is the first suspect"
 )
 
