@@ -293,7 +293,7 @@ NATIVE_DPO_MESSAGE = (
 NATIVE_MULTISLICE_MESSAGE = (
     "backend native runs on one slice only for now: torch-tpu 0.2.0 derives its launch environment "
     "within one slice, and its only multislice path (libtpu's MegaScale client, MEGASCALE_* variables) "
-    "is undocumented and unverified by tpuft; use backend xla for multislice, or slices: 1"
+    "is neither wired nor verified by tpuft; use backend xla for multislice, or slices: 1"
 )
 _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
