@@ -73,10 +73,12 @@ def build_plan(
     placement_policy: str | None = None,
     service_account: str | None = None,
     image: str | None = None,
+    backend: str = "xla",
 ) -> Plan:
     """The TPUFineTune to apply and what its status and metrics must then show. Raises the
     operator's own SpecError for a shape or field it would refuse."""
-    name = f"tpuft-verify-{tpu_type}-{topology.replace('x', '-')}".lower()
+    suffix = "-native" if backend == "native" else ""
+    name = f"tpuft-verify-{tpu_type}-{topology.replace('x', '-')}{suffix}".lower()
     output = output.rstrip("/")
     data = dataset or f"{output}/data/train.jsonl"
     tpu: dict[str, Any] = {"type": tpu_type, "topology": topology}
@@ -85,6 +87,7 @@ def build_plan(
     if placement_policy is not None:
         tpu["placementPolicy"] = placement_policy
     spec: dict[str, Any] = {
+        "backend": backend,
         "model": {"name": model},
         "dataset": {"name": data, "evalFraction": 0.1},
         "tpu": tpu,
@@ -325,6 +328,13 @@ def verify(plan: Plan, run: Runner, *, timeout_minutes: float, keep: bool, dry_r
     help="The pods' Kubernetes ServiceAccount (Workload Identity for gs://).",
 )
 @click.option("--image", default=None, help="Trainer image (default: the operator's).")
+@click.option(
+    "--backend",
+    type=click.Choice(["xla", "native"]),
+    default="xla",
+    show_default=True,
+    help="spec.backend (tpu7x runs native only).",
+)
 @click.option(
     "--timeout-minutes", type=float, default=90, show_default=True, help="Per wait (capacity, compilation)."
 )

@@ -258,7 +258,9 @@ REPRESENTATIVE: tuple[dict[str, Any], ...] = (
         resources={"requests": {"memory": "1Gi"}, "limits": {"memory": "2Gi"}},
     ),
     _run(
+        # Ironwood runs on backend native (xla is refused there): its environment is checked too.
         tpu={"type": "tpu7x", "topology": "2x2x4", "placementPolicy": "ironwood"},
+        backend="native",
         network={"hostNetwork": True},
     ),
 )

@@ -205,9 +205,10 @@ def run(settings: OperatorSettings, *, stop_flag: threading.Event | None = None)
         f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     )
     log.info(
-        "starting: watching %s; trainer image %s; metrics :%s; health :%s; node maintenance signals %s",
+        "starting: watching %s; trainer images %s (xla), %s (native); metrics :%s; health :%s; node maintenance signals %s",
         ", ".join(settings.namespaces) or "all namespaces",
         settings.trainer_image,
+        settings.trainer_image_native,
         settings.metrics_port,
         settings.health_port,
         "watched" if settings.watch_nodes else "not watched (--watch-nodes=false)",

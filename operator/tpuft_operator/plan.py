@@ -59,6 +59,13 @@ reclaimed under pressure, and not the trainer's RAM. Preference pairs (DPO) are 
 the process by trl (docs/data.md), so a DPO run's dataset does sit in that allowance.
 peak = runtime + max(load, save, export).
 
+Backend native (spec.backend) runs one process per chip instead of one per host. The estimate then
+assumes, without a measurement of a TPU host, that each process needs what the one xla process does:
+the runtime allowance and the load bound count once per process (x chips per host); the save (each
+process stages its own shards: the same bytes per host in all) and the export group (one at a time)
+do not change. The per-chip HBM estimate is the same model (FSDP2 gathers a decoder layer's weights
+before it runs, as FSDPv2 does).
+
 `host_ram_refusal` is the same estimate as a refusal on spec.tpu.topology when the peak exceeds the
 host's RAM: validation (api/validation.py) applies it to a spec whose model is in KNOWN_MODELS, and
 the operator, for any model, once its prepare Job has read the model's dimensions (`memory_verdict`,
@@ -357,6 +364,7 @@ class HostMemory:
     runtime_bytes: float
     ram_bytes: int  # the machine type's RAM
     machine_type: str
+    processes: int = 1  # trainer processes on the host: 1 (xla), one per chip (native)
 
     @property
     def per_host_bytes(self) -> float:
@@ -518,18 +526,33 @@ def host_memory(spec: TPUFineTuneSpec, shape: SliceShape, model: ModelDims) -> H
     trainable, _ = trainable_params(spec, model)
     total, weights = checkpoint_bytes(spec, model, trainable)
     values, what = largest_tensor(model)
+    processes = processes_per_host(spec, shape)
     return HostMemory(
         checkpoint_bytes=total,
         weights_bytes=weights,
         shard=shard,
         chips_holding=min(shape.chips_per_host, shard),
-        load_bytes=float(values * DTYPE_BYTES[spec.model.dtype]),
+        # Each process may hold the largest tensor whole while it loads (a bound, as for xla).
+        load_bytes=float(values * DTYPE_BYTES[spec.model.dtype] * processes),
         largest_tensor=what,
         export_bytes=float(EXPORT_GROUP_BYTES),
-        runtime_bytes=float(RUNTIME_HOST_GIB * GIB),
+        runtime_bytes=float(RUNTIME_HOST_GIB * GIB * processes),
         ram_bytes=shape.host_ram_gib * GIB,
         machine_type=shape.machine_type,
+        processes=processes,
     )
+
+
+def processes_per_host(spec: TPUFineTuneSpec, shape: SliceShape) -> int:
+    """Trainer processes on one host: one (xla: SPMD drives every chip of the host), or one per chip
+    (native: torch.distributed, as TorchTPU runs)."""
+    return shape.chips_per_host if spec.backend == "native" else 1
+
+
+BACKEND_DESCRIPTIONS = {
+    "xla": "PyTorch/XLA SPMD (torch_xla 2.9.0), one process per host",
+    "native": "torch-native FSDP2 on TorchTPU (torch-tpu 0.2.0, Beta), one process per chip",
+}
 
 
 def host_suggestions(spec: TPUFineTuneSpec) -> list[str]:
@@ -995,10 +1018,14 @@ def _host_rows(p: Plan, ft: TPUFineTune) -> list[str]:
         f"  {'per host':<12}{_gib(host.per_host_bytes)}   / {host.shard} (fsdp x tensor) x {host.chips_holding}"
         " chips of the host holding distinct shards",
         f"  {'save':<12}{_gib(host.save_bytes)}   staging its shards in RAM at each save (one save in flight)",
-        f"  {'load':<12}{_gib(host.load_bytes)}   the largest tensor, whole: {host.largest_tensor} x {w} B",
+        f"  {'load':<12}{_gib(host.load_bytes)}   the largest tensor, whole: {host.largest_tensor} x {w} B"
+        + (f", in each of {host.processes} processes" if host.processes > 1 else ""),
         f"  {'export':<12}{_gib(host.export_bytes)}   one gather group of the final export",
         f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: Python, torch_xla/libtpu (a prepared dataset"
-        " is memory-mapped: page cache)",
+        " is memory-mapped: page cache)"
+        if host.processes == 1
+        else f"  {'runtime':<12}{_gib(host.runtime_bytes)}   allowance: {RUNTIME_HOST_GIB} GiB x {host.processes}"
+        " processes (one per chip): Python, torch/TorchTPU/libtpu (assumed, not measured)",
     ]
     ram = host.ram_bytes // GIB
     verdict = "fits" if host.fits else "DOES NOT FIT"
@@ -1040,6 +1067,8 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         f"  mesh        fsdp={fsdp} tensor={tensor} data={data} within a slice (ICI); dcn={dcn} across slices",
         f"  HBM         {fam.hbm_gib_per_chip} GiB per chip",
         f"  host RAM    {shape.host_ram_gib} GiB per host ({shape.machine_type})",
+        f"  backend     {ft.spec.backend}: {BACKEND_DESCRIPTIONS[ft.spec.backend]}"
+        + (f" ({shape.chips_per_host} per host)" if ft.spec.backend == "native" else ""),
     ]
     caveat = trainer_stack_caveat(ft.spec.model_dump(by_alias=True))
     if caveat:  # what the operator says in condition TrainerStackVerified; not a reason to exit 1
@@ -1074,6 +1103,8 @@ def format_plan(p: Plan, ft: TPUFineTune) -> str:
         "fsdp x tensor and replicated across slices, one layer and the LM head gathered whole at a time;",
         "activations of one chip's batch, SDPA/eager attention without a flash kernel (seq x seq scores);",
         f"{HEADROOM:.0%} of HBM kept for XLA buffers and the runtime; per host, sharded checkpoints with one",
-        f"save in flight and {RUNTIME_HOST_GIB} GiB of host RAM allowed for the runtime. See docs/plan.md.",
+        f"save in flight and {RUNTIME_HOST_GIB} GiB of host RAM allowed for the runtime"
+        + (" of each process (backend native: one per chip)" if ft.spec.backend == "native" else "")
+        + ". See docs/plan.md.",
     ]
     return "\n".join(rows) + "\n"

@@ -12,7 +12,12 @@ from typing import Any
 from tpuft_operator.api.models import DEFAULT_GRACE_SECONDS
 from tpuft_operator.api.policy import DEFAULT_MAX_CHIPS, DEFAULT_VOLUME_TYPES, AdminPolicy
 from tpuft_operator.pacing import DEFAULT_WRITE_BURST, DEFAULT_WRITE_QPS
-from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_USER, RenderSettings
+from tpuft_operator.render.settings import (
+    DEFAULT_TRAINER_IMAGE,
+    DEFAULT_TRAINER_IMAGE_NATIVE,
+    TRAINER_IMAGE_USER,
+    RenderSettings,
+)
 
 
 def _setting(default: Any, help: str, env: str, **extra: Any) -> Any:
@@ -32,6 +37,13 @@ class OperatorSettings:
         DEFAULT_TRAINER_IMAGE,
         "Image for trainer pods when a TPUFineTune does not set spec.image.",
         "TPUFT_TRAINER_IMAGE",
+    )
+    trainer_image_native: str = _setting(
+        DEFAULT_TRAINER_IMAGE_NATIVE,
+        "Image for the trainer pods (and the prepare Job) of a `backend: native` run when it does not set "
+        "spec.image: torch 2.15 with torch-tpu, no torch_xla. Default: the trainer image's repository, "
+        "tag suffixed -native.",
+        "TPUFT_TRAINER_IMAGE_NATIVE",
     )
     metrics_port: int = _setting(
         8080, "Port of the Prometheus /metrics endpoint (0 disables it).", "TPUFT_METRICS_PORT"
@@ -213,6 +225,7 @@ class OperatorSettings:
         """What of these settings shapes the objects of a run (the JobSet and its trainer config)."""
         return RenderSettings(
             trainer_image=self.trainer_image,
+            trainer_image_native=self.trainer_image_native,
             progress_min_interval_seconds=self.progress_interval_seconds,
             termination_grace_period_seconds=self.termination_grace_period_seconds,
             run_as_user=self.run_as_user,

@@ -26,7 +26,7 @@ Beside the phase, three warnings: MaintenanceScheduled (GKE announced maintenanc
 pods run on, maintenance.py), CheckpointSlow (a save took more than half the pods' grace period in
 all, so a stop's save, which is synchronous, may be cut off) and CheckpointSkipped (the current
 attempt found checkpoints it could not resume from: incomplete, a shard missing or truncated);
-TrainerStackVerified=False from the spec alone, for a TPU the trainer's stack is unverified on
+TrainerStackVerified=False from the spec alone, for a backend the trainer's stack is unverified with
 (trainer_stack.py); and status.goodput (goodput.py).
 
 It reads only its input, so a restarted operator derives the same status from the same cluster,
@@ -576,7 +576,7 @@ def derive_status(obs: Observed) -> dict[str, Any]:
     derived = _derive_phase(obs)
     if derived.reason != "Finished":  # a finished run's conditions stay as they were
         derived.conditions.update(_warnings(obs, previous))
-        # Derived from the spec alone (trainer_stack.py): TrainerStackVerified=False on tpu7x.
+        # Derived from the spec alone (trainer_stack.py): TrainerStackVerified=False for backend native.
         derived.conditions.update(trainer_stack.condition(obs.finetune.get("spec") or {}))
     jobset_status: Obj = (obs.jobset or {}).get("status") or {}
     status: dict[str, Any] = {

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
+from tpuft_operator.api.cel import XLA_ON_TPU7X_MESSAGE
 from tpuft_operator.topology import FAMILIES, host_sizes_for, parse_topology, valid_shapes
-from tpuft_operator.trainer_stack import CONDITION, EVENT_REASON, REASON_TPU7X, trainer_stack_caveat
+from tpuft_operator.trainer_stack import CONDITION, EVENT_REASON, REASON_NATIVE, trainer_stack_caveat
 
 SOURCES = """Sources: Google Cloud TPU documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x;
 peak bf16 compute per chip from each page's system-architecture table, tpu7x's 2307 TFLOP/s bf16 beside 4614 FP8),
@@ -106,11 +107,13 @@ def topology_markdown() -> str:
         "## The trainer's stack on each family",
         "",
         "The catalog lists every shape GKE offers; that is not a claim that the trainer runs on each. "
-        + _sentence(trainer_stack_caveat({"tpu": {"type": "tpu7x"}}) or "")
-        + " A tpu7x "
-        f"run gets condition `{CONDITION}=False` (reason `{REASON_TPU7X}`) and a Warning Event "
-        f"`{EVENT_REASON}` with those words when its JobSet is created, and `tpuft plan` prints them. "
-        "No run of this trainer on a real slice of any family is recorded yet "
+        "The default backend, `xla` (torch_xla 2.9.0 SPMD), targets v4, v5e, v5p and v6e; the apiserver "
+        "refuses it on tpu7x (`spec.backend`), saying why. " + _sentence(XLA_ON_TPU7X_MESSAGE) + " "
+        "Backend `native` (torch-native FSDP2 on TorchTPU) is offered on every family. "
+        + _sentence(trainer_stack_caveat({"backend": "native"}) or "")
+        + f" A native run gets condition `{CONDITION}=False` (reason `{REASON_NATIVE}`) and a Warning "
+        f"Event `{EVENT_REASON}` with those words when its JobSet is created, and `tpuft plan` prints "
+        "them. No run of this trainer on a real slice of any family is recorded yet "
         '(docs/trainer.md, "What CPU runs prove, and what they cannot").',
         "",
         "## Shapes (smallest first)",

@@ -210,6 +210,7 @@ def test_helm_lint(helm: Helm) -> None:
         (["--set", "image.pullPolicy=Sometimes"], "at '/image/pullPolicy'"),
         (["--set", "image.repository=Not An Image"], "at '/image/repository'"),
         (["--set", "trainerImage="], "at '/trainerImage'"),
+        (["--set", "trainerImageNative=Not An Image"], "at '/trainerImageNative'"),
         (["--set", "resources.limits.memory=lots"], "at '/resources/limits/memory'"),
         (["--set", "metrics.serviceMonitor.interval=often"], "at '/metrics/serviceMonitor/interval'"),
         (["--set", "logleve=DEBUG"], "additional properties 'logleve' not allowed"),
@@ -317,6 +318,8 @@ VALUE_SETS = {
         "--set",
         "trainerImage=registry.example.com/platform/tpuft-trainer@sha256:" + "a" * 64,
         "--set",
+        "trainerImageNative=registry.example.com/platform/tpuft-trainer@sha256:" + "b" * 64,
+        "--set",
         "logLevel=DEBUG",
         "--set",
         "logFormat=text",
@@ -395,10 +398,12 @@ def test_template_passes_server_side_dry_run(
     if value_set == "default":
         assert not by_kind(objects, "NetworkPolicy")
         assert env["TPUFT_RUN_AS_USER"] == "1000" and env["TPUFT_TRAINER_NETWORK_POLICY"] == "false"
+        assert env["TPUFT_TRAINER_IMAGE_NATIVE"] == OperatorSettings().trainer_image_native
         assert env["TPUFT_ALLOW_HOST_NETWORK"] == "false"
     if value_set == "custom":
         assert container["image"] == "registry.example.com/platform/tpuft-operator:0.1.0-rc1"
         assert env["TPUFT_TRAINER_IMAGE"].endswith("@sha256:" + "a" * 64)
+        assert env["TPUFT_TRAINER_IMAGE_NATIVE"].endswith("@sha256:" + "b" * 64)
         assert env["TPUFT_LOG_LEVEL"] == "DEBUG" and env["TPUFT_METRICS_PORT"] == "9090"
         (account,) = by_kind(objects, "ServiceAccount")
         assert account["metadata"]["name"] == "fine-tuner"

@@ -132,13 +132,15 @@ def test_a_spot_run_on_ironwood_is_warned_at_its_start_of_its_save_and_its_train
 ) -> None:
     """Qwen2.5-7B with AdamW on Spot: each host writes tens of GiB at a stop, far more than a reclaim's
     ~15 s allow. The operator says so with the numbers when it creates the JobSet, and the trainer is
-    told the 15 s, which its saves are measured against (condition CheckpointSlow). On tpu7x it also
-    says the trainer's stack is unverified there (an Event and a condition), and creates the JobSet."""
+    told the 15 s, which its saves are measured against (condition CheckpointSlow). On tpu7x (backend
+    native: xla is refused there) it also says the native backend is unverified on TPU (an Event and a
+    condition), and creates the JobSet."""
     spot = {"type": "tpu7x", "topology": "2x2x2", "spot": True}
     body = finetune(
         "spot",
         namespace,
         tpu=spot,
+        backend="native",
         model={"name": "Qwen/Qwen2.5-7B"},
         training={"maxSteps": 10, "optimizer": "adamw", "saveSteps": 100},
     )
@@ -155,13 +157,13 @@ def test_a_spot_run_on_ironwood_is_warned_at_its_start_of_its_save_and_its_train
         timeout=60,
         what="the TrainerStackUnverified Event",
     )
-    assert caveat.startswith("the trainer's stack is unverified on tpu7x (Ironwood)")
+    assert caveat.startswith("backend native is unverified on TPU")
     stack = wait_for(
         lambda: condition(ft_get(local_cluster, namespace, "spot"), "TrainerStackVerified"),
         timeout=60,
         what="condition TrainerStackVerified",
     )
-    assert (stack["status"], stack["reason"], stack["message"]) == ("False", "UnverifiedOnTpu7x", caveat)
+    assert (stack["status"], stack["reason"], stack["message"]) == ("False", "NativeUnverifiedOnTpu", caveat)
     jobset = get_json(local_cluster, "jobset", "spot", "-n", namespace)
     config = render_run(
         jobset_owner(body, ft_get(local_cluster, namespace, "spot")), OPERATOR_SETTINGS.render_settings()

@@ -49,8 +49,13 @@ def _topologies() -> list[str]:
     return sorted(shapes)
 
 
+def _backend(tpu_type: str) -> str:
+    """Ironwood runs backend native (xla is refused there; native refuses multislice, on both sides)."""
+    return "native" if tpu_type == "tpu7x" else "xla"
+
+
 def _python_accepts(tpu: dict[str, Any]) -> bool:
-    spec = TPUFineTuneSpec.model_validate({**BASE["spec"], "tpu": tpu})
+    spec = TPUFineTuneSpec.model_validate({**BASE["spec"], "tpu": tpu, "backend": _backend(tpu["type"])})
     return not [e for e in validate(spec) if e.field.startswith("spec.tpu")]
 
 
@@ -68,6 +73,7 @@ def test_cel_and_python_agree_on_every_shape() -> None:
             tpu["placementPolicy"] = policy
         obj = copy.deepcopy(BASE)
         obj["spec"]["tpu"] = tpu
+        obj["spec"]["backend"] = _backend(tpu_type)
         cases.append({"name": f"{tpu_type}/{topo}/{per_host}/{slices}/{policy}", "object": obj, "tpu": tpu})
     results = crdcheck.admit(CRD_FILE, [{"name": c["name"], "object": c["object"]} for c in cases])
     disagreements = []
@@ -80,3 +86,36 @@ def test_cel_and_python_agree_on_every_shape() -> None:
             disagreements.append(f"{case['name']}: CEL {cel_ok}, Python {python_ok}: {results[case['name']]}")
     assert not disagreements, "\n".join(disagreements[:20])
     assert 100 < accepted < len(cases) - 100  # the grid exercises both verdicts
+
+
+def test_cel_and_python_agree_on_every_backend_refusal() -> None:
+    """spec.backend's rules (xla refused on tpu7x, native refuses DPO and multislice): the same verdict,
+    and the same field, from the apiserver's CEL and from validation, over every combination."""
+    cases = []
+    for backend, tpu_type, objective, slices in itertools.product(
+        (None, "xla", "native"), ("v5p", "tpu7x"), ("sft", "dpo"), (1, 2)
+    ):
+        obj = copy.deepcopy(BASE)
+        spec = obj["spec"]
+        spec["tpu"] = {"type": tpu_type, "topology": "2x2x2", "slices": slices}
+        if backend is not None:
+            spec["backend"] = backend
+        if objective == "dpo":
+            spec["training"] = {"maxSteps": 10, "objective": "dpo"}
+            spec["dataset"] = {"name": "org/pairs", "format": "preference"}
+        cases.append({"name": f"{backend}/{tpu_type}/{objective}/{slices}", "object": obj})
+    results = crdcheck.admit(CRD_FILE, cases)
+    seen: set[str] = set()
+    for case in cases:
+        errors = validate(TPUFineTuneSpec.model_validate(case["object"]["spec"]))
+        fields = sorted(e.field for e in errors)
+        cel = results[case["name"]]
+        assert bool(cel) == bool(fields), f"{case['name']}: CEL {cel}, Python {fields}"
+        for error in errors:  # the apiserver names the same field, with the same reason
+            assert any(f"{error.field}: Invalid value" in m and error.reason in m for m in cel), (
+                case["name"],
+                error,
+                cel,
+            )
+        seen.update(fields)
+    assert seen == {"spec.backend", "spec.training.objective", "spec.tpu.slices"}

@@ -76,7 +76,8 @@ def test_every_name_the_renderer_adds_to_the_pod_is_reserved(doc: dict[str, Any]
     # validation refuses it in spec.env then (below); the admin policy's HF_ prefix reserves it too.
     assert own_env[-1] == SETTINGS.token_env == pod_contract.DEFAULT_TOKEN_ENV
     assert env_reserved(SETTINGS.token_env)
-    assert tuple(own_env[:-1]) == pod_contract.RENDERED_ENV
+    native = pod_contract.NATIVE_RENDERED_ENV if spec.get("backend") == "native" else ()
+    assert tuple(own_env[:-1]) == pod_contract.RENDERED_ENV + native
     assert set(own_env[:-1]) <= pod_contract.RESERVED_ENV
 
     user_volumes = {v["name"] for v in spec["volumes"]}

@@ -89,7 +89,7 @@ ATTACKS: list[tuple[str, dict[str, Any], str, AdminPolicy]] = [
     ("ServiceAccount", {"serviceAccountName": "deployer"}, "spec.serviceAccountName", AdminPolicy(service_accounts=("deployer",))),
     ("image", {"image": "evil.example/miner:1"}, "spec.image", AdminPolicy(images=("evil.example/",))),
     ("look-alike image", {"image": "ghcr.io/tpuft/trainer-evil:1"}, "spec.image", AdminPolicy(images=("*",))),
-    ("chips", {"tpu": {"type": "tpu7x", "topology": "8x8x8", "slices": 2}}, "spec.tpu", AdminPolicy(max_chips=0)),
+    ("chips", {"tpu": {"type": "v5p", "topology": "8x8x8", "slices": 2}}, "spec.tpu", AdminPolicy(max_chips=0)),
     ("every taint", {"tolerations": [{"operator": "Exists"}]}, "spec.tolerations[0].key", AdminPolicy(tolerations=("*",))),
     (
         "control-plane taint",
@@ -293,10 +293,19 @@ def test_restricted_trainer_pods_meet_the_restricted_standard() -> None:
 
 
 def test_one_default_trainer_image_for_render_operator_and_chart() -> None:
-    """`tpuft render` prints what the operator creates: the same default image everywhere."""
-    from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE, RenderSettings
+    """`tpuft render` prints what the operator creates: the same default images everywhere, the native
+    one in the trainer image's repository (so the admin policy's rule on spec.image allows it)."""
+    from tpuft_operator.render.settings import (
+        DEFAULT_TRAINER_IMAGE,
+        DEFAULT_TRAINER_IMAGE_NATIVE,
+        RenderSettings,
+    )
     from tpuft_operator.settings import OperatorSettings
 
     values = yaml.safe_load((ROOT / "charts" / "tpuft" / "values.yaml").read_text())
     assert values["trainerImage"] == DEFAULT_TRAINER_IMAGE
     assert OperatorSettings().trainer_image == RenderSettings().trainer_image == DEFAULT_TRAINER_IMAGE
+    assert values["trainerImageNative"] == DEFAULT_TRAINER_IMAGE_NATIVE != DEFAULT_TRAINER_IMAGE
+    assert OperatorSettings().trainer_image_native == RenderSettings().trainer_image_native
+    assert OperatorSettings().render_settings().trainer_image_native == DEFAULT_TRAINER_IMAGE_NATIVE
+    assert image_repository(DEFAULT_TRAINER_IMAGE_NATIVE) == image_repository(DEFAULT_TRAINER_IMAGE)

@@ -44,6 +44,11 @@ def with_spec(**changes: Any) -> dict[str, Any]:
     return obj
 
 
+def backend_for(tpu_type: str) -> str:
+    """The backend a run on ``tpu_type`` can use: native on Ironwood (xla is refused there), else xla."""
+    return "native" if tpu_type == "tpu7x" else "xla"
+
+
 def pod_spec(jobset: dict[str, Any]) -> dict[str, Any]:
     spec: dict[str, Any] = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     return spec
@@ -65,10 +70,13 @@ def test_every_jobset_requests_exactly_the_chips_of_its_slices(
     shape: tuple[str, str, int, int], slices: int
 ) -> None:
     tpu_type, topo, per_host, chips = shape
-    if chips <= per_host:
-        slices = 1  # multislice needs multi-host slices
+    if chips <= per_host or backend_for(tpu_type) == "native":
+        slices = 1  # multislice needs multi-host slices, and backend xla
     run = render_run(
-        with_spec(tpu={"type": tpu_type, "topology": topo, "chipsPerHost": per_host, "slices": slices})
+        with_spec(
+            tpu={"type": tpu_type, "topology": topo, "chipsPerHost": per_host, "slices": slices},
+            backend=backend_for(tpu_type),
+        )
     )
     rjob = run.jobset["spec"]["replicatedJobs"][0]
     job = rjob["template"]["spec"]
@@ -447,7 +455,7 @@ def test_the_machine_type_is_selected_where_one_topology_has_more_than_one() -> 
     ambiguous = set()
     for tpu_type, topo, per_host, chips in _shapes():
         spec = {"type": tpu_type, "topology": topo, "chipsPerHost": per_host}
-        run = render_run(with_spec(tpu=spec))
+        run = render_run(with_spec(tpu=spec, backend=backend_for(tpu_type)))
         selector = pod_spec(run.jobset)["nodeSelector"]
         expected = len(topology.host_sizes_for(topology.family(tpu_type), chips)) > 1
         assert (topology.INSTANCE_TYPE_LABEL in selector) is expected, (tpu_type, topo, per_host)

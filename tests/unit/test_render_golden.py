@@ -62,9 +62,10 @@ def test_golden_render(example: Path) -> None:
     assert rendered == golden.read_text(), f"{golden.name} differs; if intended, regenerate (see module doc)"
 
 
-# The prepare Job of a chat run with a token (what it shares with the JobSet's pods) and of a queued
-# run (no queue label: Kueue admits the JobSet, created once the data is prepared).
-PREPARE_EXAMPLES = ["chat-sft-packing", "kueue-queued"]
+# The prepare Job of a chat run with a token (what it shares with the JobSet's pods), of a queued
+# run (no queue label: Kueue admits the JobSet, created once the data is prepared) and of a native
+# run (the native trainer image, none of the pods' torch.distributed environment).
+PREPARE_EXAMPLES = ["chat-sft-packing", "kueue-queued", "v6e-native"]
 
 
 @pytest.mark.parametrize("stem", PREPARE_EXAMPLES)

@@ -53,7 +53,16 @@ def test_a_dry_run_prints_a_manifest_the_operator_accepts_and_touches_nothing() 
     [
         ({"tpu_type": "v5e", "topology": "2x4"}, 2, 8),
         ({"tpu_type": "v6e", "topology": "2x4", "chips_per_host": 8}, 1, 8),
-        ({"tpu_type": "tpu7x", "topology": "2x2x2", "placement_policy": "ironwood-2x2x2"}, 2, 8),
+        (
+            {
+                "tpu_type": "tpu7x",
+                "topology": "2x2x2",
+                "placement_policy": "ironwood-2x2x2",
+                "backend": "native",
+            },
+            2,
+            8,
+        ),
         ({"tpu_type": "v4", "topology": "2x2x1"}, 1, 4),
     ],
 )

@@ -60,6 +60,39 @@ MEGASCALE_SLICE_ID_ENV: Final = "MEGASCALE_SLICE_ID"
 # Set by GKE on multislice pods; read by world.detect_world (must equal the config's slices) and PJRT.
 MEGASCALE_NUM_SLICES_ENV: Final = "MEGASCALE_NUM_SLICES"
 
+# ------------------------------------------------ backend native: torch.distributed and TorchTPU
+# Set by the renderer on the pods of a `backend: native` run only (render/native_env.py, which cites
+# where torch-tpu 0.2.0 reads each); read by the trainer's native launcher, which starts one process
+# per chip with torch.distributed's elastic agent, and by torch-tpu's set_tpu_launch_env, which never
+# overwrites a variable already set and derives the rest (TORCH_TPU_SLICEBUILDER_ADDRESSES from GKE's
+# TPU_WORKER_HOSTNAMES) before the workers start.
+# Hosts of the run (all of one slice: native runs one slice): the launcher's nnodes.
+NNODES_ENV: Final = "NNODES"
+# This host's rank among them: the pod's completion index (the order of TPU_WORKER_HOSTNAMES).
+NODE_RANK_ENV: Final = "NODE_RANK"
+# The first pod's stable hostname, and the port of the rendezvous store of torch.distributed there.
+MASTER_ADDR_ENV: Final = "MASTER_ADDR"
+MASTER_PORT_ENV: Final = "MASTER_PORT"
+# Not torch's 29500: the trainer's stop channel (stop.py, StopConfig.coordination_port) listens there
+# on the first host. 29400 is torchrun's default rendezvous port.
+NATIVE_MASTER_PORT: Final = 29400
+# The slice's topology (AxB or AxBxC), the chips per host, and the first port of the per-chip
+# TorchTPU endpoints (torch-tpu's own default, written out so a new release cannot move it unseen).
+TORCH_TPU_TOPOLOGY_ENV: Final = "TORCH_TPU_TOPOLOGY"
+TORCH_TPU_DEVICES_PER_HOST_ENV: Final = "TORCH_TPU_DEVICES_PER_HOST"
+TORCH_TPU_BASE_PORT_ENV: Final = "TORCH_TPU_BASE_PORT"
+TORCH_TPU_BASE_PORT: Final = 8070
+# The variables a native run's pods get besides RENDERED_ENV (render/native_env.py, in this order).
+NATIVE_RENDERED_ENV: Final = (
+    NNODES_ENV,
+    NODE_RANK_ENV,
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    TORCH_TPU_TOPOLOGY_ENV,
+    TORCH_TPU_DEVICES_PER_HOST_ENV,
+    TORCH_TPU_BASE_PORT_ENV,
+)
+
 # Set by the trainer image (Dockerfile ENV) or tests, never rendered; read by data.cache_dir.
 CACHE_DIR_ENV: Final = "TPUFT_CACHE_DIR"
 # Set by a person (optional, default INFO), never rendered; read by cli._setup_logging.
@@ -92,7 +125,13 @@ RENDERED_ENV: Final = (
 # Names spec.env may never use, whatever the admin allows (api/validation.py): the renderer's own
 # and the pod identity Kubernetes and GKE give the trainer.
 RESERVED_ENV: Final = frozenset(
-    {*RENDERED_ENV, JOB_COMPLETION_INDEX_ENV, TPU_WORKER_ID_ENV, TPU_WORKER_HOSTNAMES_ENV}
+    {
+        *RENDERED_ENV,
+        *NATIVE_RENDERED_ENV,
+        JOB_COMPLETION_INDEX_ENV,
+        TPU_WORKER_ID_ENV,
+        TPU_WORKER_HOSTNAMES_ENV,
+    }
 )
 # Names spec.volumes may not use (api/validation.py): the renderer's own volume.
 RESERVED_VOLUMES: Final = frozenset({CONFIG_VOLUME})
@@ -114,6 +153,7 @@ ADMIN_RESERVED_ENV_PREFIXES: Final = (
     "XLA_",
     "PJRT_",
     "MEGASCALE_",  # multislice coordination
+    "TORCH_TPU_",  # TorchTPU's runtime, its endpoints and compiler options (backend native)
     "TPUFT_",  # the trainer's own settings
 )
 ADMIN_RESERVED_ENV_NAMES: Final = (

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import JsonValue
 
 from tpuft_operator.topology import FAMILIES, TpuFamily
+from tpuft_operator.trainer_stack import LIBTPU_VERSION, TORCH_XLA_VERSION
 from tpuft_trainer.pod_contract import (
     CHECKPOINT_REQUEST_ANNOTATION,
     RESERVED_ANNOTATIONS,
@@ -276,6 +277,52 @@ def _objective_rules() -> list[Rule]:
     ]
 
 
+# spec.backend (docs/trainer.md, "Backends"). What is refused for a backend at apply time, and why.
+# Sources: torch_xla's tags (v2.9.0, 2025-11, the last), its setup.py (libtpu pin), its TPU CI
+# (.github/workflows/_tpu_ci.yml, runs-on: v4-runner-set), Google's Ironwood page
+# (docs.cloud.google.com/tpu/docs/tpu7x), which points PyTorch users to TorchTPU.
+XLA_ON_TPU7X_MESSAGE = (
+    f"backend xla cannot run on tpu7x (Ironwood): torch_xla {TORCH_XLA_VERSION} is its last release and "
+    f"pins libtpu {LIBTPU_VERSION}, no torch_xla release note says tpu7x works (its TPU CI runs on v4 "
+    "only), and Google points PyTorch users on Ironwood to TorchTPU; set backend: native (torch-native "
+    "FSDP2 on TorchTPU)"
+)
+NATIVE_DPO_MESSAGE = (
+    "objective dpo runs on backend xla only for now (the native backend trains sft); set backend: xla"
+)
+NATIVE_MULTISLICE_MESSAGE = (
+    "backend native runs on one slice only for now: torch-tpu 0.2.0 derives its launch environment "
+    "within one slice, and its only multislice path (libtpu's MegaScale client, MEGASCALE_* variables) "
+    "is neither wired nor verified by tpuft; use backend xla for multislice, or slices: 1"
+)
+_NATIVE = "(has(self.backend) && self.backend == 'native')"
+
+
+def _backend_rules() -> list[Rule]:
+    """Each refusal on the field a person would change: backend for tpu7x, the objective for DPO, the
+    slices for multislice (spec.backend defaults to xla, so a spec without it is an xla run)."""
+    return [
+        {
+            "rule": f"self.tpu.type != 'tpu7x' || {_NATIVE}",
+            "message": XLA_ON_TPU7X_MESSAGE,
+            "fieldPath": ".backend",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"!{_NATIVE} || !has(self.training.objective) || self.training.objective != 'dpo'",
+            "message": NATIVE_DPO_MESSAGE,
+            "fieldPath": ".training.objective",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"!{_NATIVE} || !has(self.tpu.slices) || self.tpu.slices <= 1",
+            "message": NATIVE_MULTISLICE_MESSAGE,
+            "fieldPath": ".tpu.slices",
+            "reason": "FieldValueInvalid",
+        },
+    ]
+
+
 def _eval_steps_rule() -> Rule:
     return {
         "rule": "!has(self.training.evalSteps) || has(self.dataset.evalSplit) || has(self.dataset.evalFraction)",
@@ -292,6 +339,7 @@ IMMUTABLE_FIELDS: dict[str, bool] = {
     "model": False,
     "dataset": False,
     "tpu": False,
+    "backend": False,
     "fsdp": False,
     "training": False,
     "output": False,
@@ -365,6 +413,7 @@ def spec_rules() -> list[Rule]:
         _compilation_cache_rule(),
         _eval_steps_rule(),
         *_objective_rules(),
+        *_backend_rules(),
         _optional_fields_stay_rule(),
     ]
 

@@ -46,6 +46,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {
+        "name": "Backend",
+        "type": "string",
+        "jsonPath": ".spec.backend",
+        "priority": 1,
+        "description": "The trainer's backend: xla or native.",
+    },
+    {
         "name": "Chips",
         "type": "integer",
         "jsonPath": ".status.chips",

@@ -631,6 +631,16 @@ class TPUFineTuneSpec(_Spec):
     model: ModelSpec = Field(description="The base model.")
     dataset: DatasetSpec = Field(description="The training data.")
     tpu: TpuSpec = Field(description="TPU type, topology and number of slices.")
+    backend: Literal["xla", "native"] = Field(
+        default="xla",
+        description=(
+            "The trainer's tensor runtime. `xla`: PyTorch/XLA SPMD (torch_xla 2.9.0, one process per "
+            "host), on v4, v5e, v5p and v6e; refused on tpu7x. `native`: torch-native FSDP2, DTensor and "
+            "torch.distributed.checkpoint on TorchTPU (torch-tpu, Beta), one process per chip, in the "
+            "operator's native trainer image; one slice only, objective sft only. Both read the same "
+            'prepared data and write checkpoints of the same layout. See docs/operator.md, "Backends".'
+        ),
+    )
     fsdp: FsdpSpec = Field(
         default_factory=lambda: FsdpSpec(),
         description="FSDPv2 settings: layers to wrap, gradient checkpointing, mesh.",
@@ -640,7 +650,11 @@ class TPUFineTuneSpec(_Spec):
     training: TrainingSpec = Field(description="Method and hyperparameters.")
     output: OutputSpec = Field(description="Where the checkpoints and the final model are written.")
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = Field(
-        default=None, description="Trainer image. Default: the operator's configured trainer image."
+        default=None,
+        description=(
+            "Trainer image. Default: the operator's configured trainer image for spec.backend (xla, or "
+            "the native image for `native`)."
+        ),
     )
     suspend: bool = Field(
         default=False,

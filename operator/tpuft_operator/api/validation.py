@@ -35,12 +35,15 @@ from tpuft_operator.api.cel import (
     EVAL_SOURCE_MESSAGE,
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
+    NATIVE_DPO_MESSAGE,
+    NATIVE_MULTISLICE_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
     SPOT_GRACE_MESSAGE,
     WARMUP_LENGTH_MESSAGE,
     WARMUP_MESSAGE,
+    XLA_ON_TPU7X_MESSAGE,
 )
 from tpuft_operator.api.models import (
     DNS_LABEL,
@@ -344,6 +347,13 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.training.dpo", DPO_SETTINGS_MESSAGE))
     if training.eval_steps is not None and dataset.eval_split is None and dataset.eval_fraction is None:
         errors.append(FieldError("spec.training.evalSteps", EVAL_STEPS_MESSAGE))
+    # spec.backend: the CEL rules of _backend_rules, in Python.
+    if spec.tpu.type == "tpu7x" and spec.backend != "native":
+        errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
+    if spec.backend == "native" and training.objective == "dpo":
+        errors.append(FieldError("spec.training.objective", NATIVE_DPO_MESSAGE))
+    if spec.backend == "native" and spec.tpu.slices > 1:
+        errors.append(FieldError("spec.tpu.slices", NATIVE_MULTISLICE_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:
         errors.append(FieldError("spec.training.warmupSteps", WARMUP_MESSAGE))
     elif (

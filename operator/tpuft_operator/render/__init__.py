@@ -44,8 +44,8 @@ class RenderedRun:
     # the hash of the data settings it prepares for; None when spec.prepare.enabled is false.
     prepare_job: dict[str, Any] | None = None
     data_settings_hash: str = ""
-    # Why the trainer's stack is unverified on the run's TPU (trainer_stack.py: tpu7x), posted as a
-    # Warning TrainerStackUnverified with the run's start; the run is not refused.
+    # Why the trainer's stack is unverified for the run (trainer_stack.py: backend native), posted as
+    # a Warning TrainerStackUnverified with the run's start; the run is not refused.
     trainer_stack_caveat: str | None = None
 
     @property

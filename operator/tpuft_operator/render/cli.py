@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,10 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 )
 @click.option("-o", "--output", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
 @click.option("--image", default=None, help="Trainer image to use when spec.image is not set.")
-def render(path: Path, fmt: str, image: str | None) -> None:
+@click.option(
+    "--image-native", default=None, help="Trainer image of `backend: native` runs when spec.image is not set."
+)
+def render(path: Path, fmt: str, image: str | None, image_native: str | None) -> None:
     """Print every object the operator would create for a TPUFineTune: the namespace's trainer
     ServiceAccount and progress Role/RoleBinding (once per namespace), then the prepare Job (unless
     spec.prepare.enabled is false), then the JobSet (the trainer config inside both, as a pod
@@ -47,7 +51,11 @@ def render(path: Path, fmt: str, image: str | None) -> None:
 
     Without metadata.uid (a file not read back from a cluster) the objects carry no ownerReferences.
     """
-    settings = RenderSettings(trainer_image=image) if image else RenderSettings()
+    settings = RenderSettings()
+    if image:
+        settings = replace(settings, trainer_image=image)
+    if image_native:
+        settings = replace(settings, trainer_image_native=image_native)
     objects: list[dict[str, Any]] = []
     namespaces: set[str] = set()
     for doc in load_documents(path):

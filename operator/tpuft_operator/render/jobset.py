@@ -22,6 +22,7 @@ from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.plan import pods_grace_seconds
 from tpuft_operator.render import naming
+from tpuft_operator.render.native_env import native_env
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import (
     ACCELERATOR_LABEL,
@@ -145,7 +146,7 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def env(ft: TPUFineTune, jobset: str, settings: RenderSettings) -> list[Obj]:
+def env(ft: TPUFineTune, shape: SliceShape, jobset: str, settings: RenderSettings) -> list[Obj]:
     out: list[Obj] = [
         # Which slice this pod belongs to, and how many times the JobSet restarted (resume decision);
         # read by tpuft_trainer.world. Off GKE these replace the TPU_WORKER_* / MEGASCALE_* variables.
@@ -155,6 +156,9 @@ def env(ft: TPUFineTune, jobset: str, settings: RenderSettings) -> list[Obj]:
         _field_env(POD_NAME_ENV, "metadata.name"),
         _field_env(POD_NAMESPACE_ENV, "metadata.namespace"),
     ]
+    if ft.spec.backend == "native":
+        # torch.distributed's rendezvous and TorchTPU's launch variables (render/native_env.py).
+        out += native_env(shape, jobset)
     ref = ft.spec.model.token_secret_ref
     if ref is not None:
         # The token's only way in: a secretKeyRef, never the trainer config or the command line.
@@ -233,11 +237,12 @@ def pod_template(
     pod_security, container_security = security_context(settings)
     container: Obj = {
         "name": CONTAINER,
-        "image": spec.image or settings.trainer_image,
+        "image": spec.image or settings.image_for(spec.backend),
         "imagePullPolicy": settings.image_pull_policy,
-        # Exec form, fixed arguments: no spec value is ever parsed by a shell.
+        # Exec form, fixed arguments: no spec value is ever parsed by a shell. The same for both
+        # backends: for native, the trainer starts one process per chip itself (tpuft_trainer).
         "command": ["tpuft", "train", "--config", CONFIG_PATH],
-        "env": env(ft, jobset, settings),
+        "env": env(ft, shape, jobset, settings),
         "resources": resources(ft, shape),
         "securityContext": container_security,
         "volumeMounts": [

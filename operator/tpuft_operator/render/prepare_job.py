@@ -144,7 +144,10 @@ def prepare_job(ft: TPUFineTune, config: TrainerConfig, settings: RenderSettings
     pod_security, container_security = security_context(settings)
     container: Obj = {
         "name": CONTAINER,
-        "image": spec.image or settings.trainer_image,
+        # The run's own image (the native one for backend native): preparing is backend-neutral, but
+        # then the checks it makes (model, tokenizer, output) run with the trainer's own libraries,
+        # and a cluster that runs only native runs pulls one image.
+        "image": spec.image or settings.image_for(spec.backend),
         "imagePullPolicy": settings.image_pull_policy,
         # Exec form, fixed arguments: no spec value is ever parsed by a shell.
         "command": [

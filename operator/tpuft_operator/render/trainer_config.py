@@ -52,6 +52,7 @@ def trainer_config(ft: TPUFineTune, shape: SliceShape, settings: RenderSettings)
             else LoraConfig()
         )
     return TrainerConfig(
+        backend=spec.backend,
         model=ModelSource(
             name=spec.model.name,
             revision=spec.model.revision,
