@@ -11,7 +11,7 @@ VENV_SCRIPT := scripts/venv.sh
 PY = "$$($(VENV_SCRIPT) | tail -n1)/bin/python"
 TPUFT = "$$($(VENV_SCRIPT) | tail -n1)/bin/tpuft"
 
-.PHONY: help venv binaries test test-unit test-trainer test-cluster lint crd docs demo bench chaos clean-cluster
+.PHONY: help venv venv-native binaries test test-unit test-trainer test-cluster lint crd docs demo bench chaos clean-cluster
 
 help:
 	@echo "make demo    - local cluster + operator + a real FSDPv2 fine-tune of a tiny model"
@@ -25,6 +25,11 @@ help:
 venv:
 	@$(VENV_SCRIPT) >/dev/null
 
+# The native backend's venv (torch 2.15, no torch_xla): tests/trainer/test_native.py runs `tpuft train`
+# with it; the demo's native run will too.
+venv-native:
+	@$(VENV_SCRIPT) native >/dev/null
+
 binaries: venv
 	@$(TPUFT) cluster build
 
@@ -32,13 +37,13 @@ lint: venv
 	@$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
 
 # The slowest tests are listed at the end: the suite must stay under ~35 minutes warm on 2 cores.
-test: venv binaries lint
+test: venv venv-native binaries lint
 	@$(PY) -m pytest tests --durations=25
 
 test-unit: venv
 	@$(PY) -m pytest tests/unit
 
-test-trainer: venv
+test-trainer: venv venv-native
 	@$(PY) -m pytest tests/trainer
 
 test-cluster: venv binaries
@@ -47,7 +52,7 @@ test-cluster: venv binaries
 crd: venv
 	@$(TPUFT) crd --write
 
-demo: venv binaries
+demo: venv venv-native binaries
 	@$(PY) -m tpuft_dev.demo
 
 bench: venv binaries

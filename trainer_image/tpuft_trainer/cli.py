@@ -75,6 +75,8 @@ def train(config_path: Path) -> None:
     """
     _setup_logging()
     config = _load_config(config_path)
+    if config.backend == "native":
+        _train_native(config, config_path)
 
     from tpuft_trainer.train import run
 
@@ -91,6 +93,41 @@ def train(config_path: Path) -> None:
             log.error("training failed (%s, exit %d): %s", ExitCode(code).name, code, error)
         end(code)
     log.info("done: %d steps in %.1f s", record.final_step, record.seconds)
+    end(ExitCode.OK)
+
+
+def _train_native(config: TrainerConfig, config_path: Path) -> NoReturn:
+    """backend native: on the pod, the launcher (one worker process per chip, native/launcher.py);
+    in a worker, the owned training loop (native/loop.py). Neither imports torch_xla."""
+    from tpuft_trainer.native import launcher
+
+    if not launcher.is_worker(os.environ):
+        try:
+            code = launcher.launch(config, config_path)
+        except TrainerError as error:
+            log.error(
+                "launch failed (%s, exit %d): %s", ExitCode(error.exit_code).name, error.exit_code, error
+            )
+            code = int(error.exit_code)
+        end(code)
+    from tpuft_trainer.native.loop import run
+
+    try:
+        record = run(config)
+    except StoppedAfterCheckpoint as stopped:
+        log.warning("%s (exit %d)", stopped, stopped.exit_code)
+        launcher.note_exit(stopped.exit_code)
+        end(stopped.exit_code)
+    except Exception as error:
+        code = exit_code_for(error)
+        if code == 1:
+            log.exception("training failed (infrastructure or unknown error; the JobSet may restart it)")
+        else:
+            log.error("training failed (%s, exit %d): %s", ExitCode(code).name, code, error)
+        launcher.note_exit(code)
+        end(code)
+    log.info("done: %d steps in %.1f s", record.final_step, record.seconds)
+    launcher.note_exit(ExitCode.OK)
     end(ExitCode.OK)
 
 

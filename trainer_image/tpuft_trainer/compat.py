@@ -646,3 +646,41 @@ def set_mesh(mesh: Any) -> None:
 
 def applied() -> list[str]:
     return [patch.name for patch in PATCHES if patch.applied]
+
+
+# ---- the native backend (torch 2.15, transformers 5.24: not a patch, called by native/optimizer.py) ----
+ADAFACTOR_DTENSOR_ERROR = "aten.add_.Tensor got mixed torch.Tensor and DTensor"
+
+
+def adafactor_dtensor_state(optimizer: Any) -> int:
+    """Creates transformers' Adafactor state for FSDP2's DTensor parameters before the first step.
+
+    Adafactor makes its factored second moments with ``torch.zeros(shape).to(grad)``: a plain tensor of
+    the parameter's *global* shape, which its next line adds a DTensor to ("RuntimeError:
+    aten.add_.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor";
+    transformers 5.24, torch 2.15). Made here as DTensors with the layout DTensor gives the row and
+    column means of a parameter (a mean over a sharded dim comes out partial: reduced to replicated),
+    with the step count and RMS Adafactor starts from; Adafactor then finds its state and uses it as it
+    is. Returns how many parameters got state."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def whole(stat: Any) -> Any:
+        placements = [Replicate() if p.is_partial() else p for p in stat.placements]
+        return stat.redistribute(stat.device_mesh, placements)
+
+    primed = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, DTensor) and param.dim() >= 2 and not optimizer.state[param]:
+                zeros = torch.zeros_like(param, dtype=torch.float32)
+                optimizer.state[param].update(
+                    step=0,
+                    exp_avg_sq_row=whole(zeros.mean(dim=-1)),
+                    exp_avg_sq_col=whole(zeros.mean(dim=-2)),
+                    RMS=0,
+                )
+                if group.get("beta1") is not None:  # the first moment, when one is kept
+                    optimizer.state[param]["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                primed += 1
+    return primed

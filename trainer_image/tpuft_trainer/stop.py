@@ -100,6 +100,20 @@ class GlooChannel:
         self._pending: tuple[Any, Any] | None = None  # (work, tensor) of the previous boundary
         self.wait_seconds = 0.0  # time spent waiting for results (what the channel costs a step)
 
+    @classmethod
+    def over_group(cls, group: Any) -> GlooChannel:
+        """The channel over an existing gloo process group (the native backend's processes already
+        share a store: torch.distributed's ``new_group(backend="gloo")``), rather than one of its own."""
+        import torch.distributed as dist
+
+        channel = cls.__new__(cls)
+        channel._group = group
+        channel._options = dist.AllreduceOptions()
+        channel._options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        channel._pending = None
+        channel.wait_seconds = 0.0
+        return channel
+
     def exchange(self, values: tuple[int, int]) -> tuple[int, int]:
         import torch
 

@@ -153,7 +153,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
             record,
             process.stopper,
             process.attempt,
-            run_.trainer,
+            int(run_.trainer.state.global_step),
             output,
             config,
             started,
@@ -428,7 +428,7 @@ def _stopped(
     record: RunRecord,
     stopper: stop_module.StopCoordinator,
     attempt: Attempt,
-    trainer: Any,
+    trained_to: int,
     output: Path,
     config: TrainerConfig,
     started: float,
@@ -436,7 +436,6 @@ def _stopped(
 ) -> None:
     """After a checkpointed stop: record what happened and end the run with its exit code."""
     decided = stopper.decided
-    trained_to = int(trainer.state.global_step)
     resume_step = decided.resume_step if decided and decided.resume_step is not None else trained_to
     save = next((s for s in reversed(attempt.saves) if s.step == resume_step), None)
     since_signal = time.monotonic() - stopper.terminated_at if stopper.terminated_at is not None else None

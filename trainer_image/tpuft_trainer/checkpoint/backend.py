@@ -79,7 +79,13 @@ def _clone_tree(value: Any) -> Any:
 
 
 class TorchBackend:
-    """Plain torch tensors (or DTensors) on CPU, with torch.distributed's default group if initialised."""
+    """Plain torch tensors (or DTensors) on CPU, with torch.distributed's default group if initialised.
+
+    ``process_group``: the group DCP's collectives use (manager.py), when training runs collectives
+    of its own on the default group (the native backend: a gloo group of every process, apart)."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
 
     @property
     def process_index(self) -> int:

@@ -177,7 +177,7 @@ class CheckpointManager:
                 for file_name, data in save.small_files.items():
                     with self.store.fs.open(self.store.path(name, file_name), "wb") as out:
                         out.write(data)
-            _dcp_save(save.staged, self.store, name, self.backend.save_planner())
+            _dcp_save(save.staged, self.store, name, self.backend.save_planner(), _group(self.backend))
             save.staged = {}  # the host copy can go as soon as it is written
             host_memory.release()
             if self.is_coordinator:
@@ -298,6 +298,7 @@ class CheckpointManager:
                     dict(state),
                     storage_reader=_reader(self.store, found.name),
                     planner=self.backend.load_planner(),
+                    process_group=_group(self.backend),
                 )
         except (Exception, dcp.CheckpointException) as error:
             cause = root_cause(error)
@@ -400,8 +401,17 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def _dcp_save(staged: dict[str, Any], store: layout.Store, name: str, planner: Any) -> None:
+def _group(backend: Backend) -> Any:
+    """The process group DCP's collectives use: the backend's own when it has one (a background write
+    must not share a group with the training loop's collectives: two threads issuing collectives on
+    one group in different orders deadlock), else the default group."""
+    return getattr(backend, "process_group", None)
+
+
+def _dcp_save(
+    staged: dict[str, Any], store: layout.Store, name: str, planner: Any, group: Any = None
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     with quiet():
-        dcp.save(staged, storage_writer=_writer(store, name), planner=planner)
+        dcp.save(staged, storage_writer=_writer(store, name), planner=planner, process_group=group)
