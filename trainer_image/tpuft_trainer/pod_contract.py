@@ -93,6 +93,10 @@ NATIVE_RENDERED_ENV: Final = (
     TORCH_TPU_BASE_PORT_ENV,
 )
 
+# Set by the native launcher for the workers it starts, never rendered: the directory where each
+# worker notes its exit code, so the pod exits with the workers' code (native/launcher.py).
+NATIVE_EXIT_DIR_ENV: Final = "TPUFT_NATIVE_EXIT_DIR"
+
 # Set by the trainer image (Dockerfile ENV) or tests, never rendered; read by data.cache_dir.
 CACHE_DIR_ENV: Final = "TPUFT_CACHE_DIR"
 # Set by a person (optional, default INFO), never rendered; read by cli._setup_logging.

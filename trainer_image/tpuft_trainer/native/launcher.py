@@ -4,10 +4,16 @@ TorchTPU (like every torch-native accelerator stack) runs one process per chip. 
 `tpuft train --config FILE` for both backends: with backend native, the process the pod starts is
 the *launcher*; it runs torch.distributed's elastic agent in-process (what `torchrun` runs) with
 ``nproc_per_node = world.chips_per_host`` and ``nnodes = slices x hosts_per_slice``, this host's node
-rank from ``TPU_WORKER_ID`` (``JOB_COMPLETION_INDEX`` as a fallback) and the slice index, and a static
-rendezvous over the c10d store at ``MASTER_ADDR:MASTER_PORT`` (the first pod's stable hostname, set by
-the operator). Each worker runs the same command again; it sees the agent's ``RANK``/``LOCAL_RANK``/
-``WORLD_SIZE`` and trains.
+rank from ``NODE_RANK`` (the operator pins it to the pod's completion index; without it
+``TPU_WORKER_ID``, then ``JOB_COMPLETION_INDEX``, and the slice index), and a static rendezvous over the
+c10d store at ``MASTER_ADDR:MASTER_PORT`` (the first pod's stable hostname, set by the operator). Each
+worker runs the same command again; it sees the agent's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and trains.
+
+On a TPU host (torch-tpu importable) the launcher first calls torch-tpu's ``set_tpu_launch_env``
+(torch_tpu/_internal/distributed/distributed.py:328 in the 0.2.0 wheel), once, before the workers
+start: it fills in the launch variables the operator did not pin (TORCH_TPU_SLICEBUILDER_ADDRESSES from
+GKE's TPU_WORKER_HOSTNAMES) and never overwrites one, and it checks ``nnodes`` against the hostnames.
+Not exercised here (no TPU): docs/trainer.md lists it among what only a slice verifies.
 
 Exit codes carry the operator's failure split (exit_codes.py), so the launcher must not turn them all
 into the agent's 1: each worker writes its code to a file in a directory the launcher names
@@ -32,16 +38,22 @@ from typing import Any
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.errors import WorldError
 from tpuft_trainer.exit_codes import ExitCode
+from tpuft_trainer.pod_contract import (
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    NATIVE_EXIT_DIR_ENV,
+    NATIVE_MASTER_PORT,
+    NNODES_ENV,
+    NODE_RANK_ENV,
+)
 from tpuft_trainer.world import detect_world
 
 log = logging.getLogger(__name__)
 
-MASTER_ADDR_ENV = "MASTER_ADDR"
-MASTER_PORT_ENV = "MASTER_PORT"
-EXIT_DIR_ENV = "TPUFT_NATIVE_EXIT_DIR"
+EXIT_DIR_ENV = NATIVE_EXIT_DIR_ENV
 # Set by torch.distributed's agent in every worker it starts (and by torchrun): this process is a worker.
 WORKER_MARKERS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
-DEFAULT_MASTER_PORT = 29400  # not stop.coordination_port's 29500 default: both listen on the first host
+DEFAULT_MASTER_PORT = NATIVE_MASTER_PORT  # not stop.coordination_port's 29500: both listen on the first host
 
 
 def is_worker(env: Mapping[str, str]) -> bool:
@@ -78,6 +90,21 @@ def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
     """This host's launch: a pure function of the configuration and the environment."""
     world = detect_world(config.world, env)
     nnodes = world.process_count
+    pinned_nodes = env.get(NNODES_ENV, "")
+    if pinned_nodes and pinned_nodes != str(nnodes):
+        raise WorldError(
+            f"{NNODES_ENV}={pinned_nodes} but the trainer config's world has {nnodes} hosts: the pod's "
+            "environment and its config were rendered for different shapes"
+        )
+    node_rank = world.process_index
+    pinned_rank = env.get(NODE_RANK_ENV, "")
+    if pinned_rank:
+        try:
+            node_rank = int(pinned_rank)
+        except ValueError as error:
+            raise WorldError(f"{NODE_RANK_ENV}={pinned_rank!r} is not a host index") from error
+        if not 0 <= node_rank < nnodes:
+            raise WorldError(f"{NODE_RANK_ENV}={node_rank} is not one of this job's {nnodes} hosts")
     address = env.get(MASTER_ADDR_ENV, "")
     if nnodes > 1 and not address:
         raise WorldError(
@@ -97,7 +124,7 @@ def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
     return Launch(
         nnodes=nnodes,
         nproc_per_node=config.world.chips_per_host,
-        node_rank=world.process_index,
+        node_rank=node_rank,
         master_addr=address or "127.0.0.1",
         master_port=port,
         shutdown_timeout=max(1, int(config.stop.grace_seconds)),
@@ -117,6 +144,7 @@ def launch(config: TrainerConfig, config_path: Path, env: Mapping[str, str] | No
 
     env = os.environ if env is None else env
     plan = plan_launch(config, env)
+    _tpu_launch_env(plan)
     args = plan.torchrun_args(worker_program(config_path))
     log.info(
         "native backend: %d process(es) on this host (one per chip), %d host(s): %s -m torch.distributed.run %s",
@@ -140,6 +168,18 @@ def launch(config: TrainerConfig, config_path: Path, env: Mapping[str, str] | No
         log.warning("the launcher got %s: the workers were asked to checkpoint and stop", signalled.sigval)
         return _exit_code(exits, plan.nproc_per_node, None)
     return _exit_code(exits, plan.nproc_per_node, None)
+
+
+def _tpu_launch_env(plan: Launch) -> None:
+    """On a TPU host, torch-tpu's own launch variables (see the module doc); nothing on CPU."""
+    try:
+        import torch_tpu  # noqa: F401  (registers torch.tpu)
+    except ImportError:
+        return  # CPU (the tests, the local cluster): gloo needs only the rendezvous
+    import torch
+
+    tpu: Any = getattr(torch, "tpu")  # noqa: B009  (registered by torch_tpu at import: no stubs)
+    tpu.distributed.set_tpu_launch_env(nnodes=plan.nnodes, nproc_per_node=plan.nproc_per_node)
 
 
 def note_exit(code: int, env: Mapping[str, str] | None = None) -> None:
