@@ -519,15 +519,18 @@ PREPARED_PAIRS_TOKENISATION = "trl 1.16 DPOTrainer._prepare_dataset"
 
 
 def check_prepared_pairs_trl() -> None:
-    """Refuses a trl whose DPOTrainer tokenisation tpuft's prepared pairs were not checked against."""
-    import trl
+    """Refuses a trl whose DPOTrainer tokenisation tpuft's prepared pairs were not checked against.
+    Read from the package's metadata: importing trl starts torch_xla, which ``tpuft prepare`` (on CPU,
+    forking its workers) does without."""
+    from importlib.metadata import version
 
     from tpuft_trainer.errors import ConfigError
 
-    release = ".".join(str(trl.__version__).split(".")[:2])
+    installed = version("trl")
+    release = ".".join(installed.split(".")[:2])
     if release not in PREPARED_PAIRS_TRL:
         raise ConfigError(
-            f"this trainer image has trl {trl.__version__}; tpuft prepares preference pairs as trl "
+            f"this trainer image has trl {installed}; tpuft prepares preference pairs as trl "
             f"{', '.join(PREPARED_PAIRS_TRL)} tokenises them (data/preference.py, compat.py) and has not been "
             "checked against this one: use the trainer image of this tpuft release"
         )
