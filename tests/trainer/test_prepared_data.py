@@ -295,7 +295,9 @@ def test_an_evaluation_split_without_rows_to_evaluate_is_a_data_error(tmp_path: 
 PAIR_LENGTH = 40  # short enough that some prompts fill it (dropped) and some completions pass it (cut)
 # A template whose generation prompt ends otherwise than the rendered assistant turn begins: the
 # tokenised prompt is not a prefix of prompt + completion (as Gemma's), so the completion starts earlier.
-MOVED_BOUNDARY_TEMPLATE = tiny.CHAT_TEMPLATE.replace("<s>assistant: {% endif %}", "<s>assistant:\n{% endif %}")
+MOVED_BOUNDARY_TEMPLATE = tiny.CHAT_TEMPLATE.replace(
+    "<s>assistant: {% endif %}", "<s>assistant:\n{% endif %}"
+)
 
 
 def preference_rows(chat: bool) -> list[dict[str, Any]]:
@@ -363,11 +365,16 @@ def test_prepared_pairs_equal_trls_own_tokenisation(
             theirs = trl_pairs(rows, tok, config, monkeypatch)
             ours = ready.pairs(split)
             assert ours.column_names == list(preference.ID_COLUMNS)
-            assert ours.to_dict() == theirs.select_columns(list(preference.ID_COLUMNS)).to_dict(), (kind, split)
+            assert ours.to_dict() == theirs.select_columns(list(preference.ID_COLUMNS)).to_dict(), (
+                kind,
+                split,
+            )
             figures = ready.manifest.splits[split]
             cut = sum(
                 len(p) + max(len(c), len(r)) > PAIR_LENGTH
-                for p, c, r in zip(theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"], strict=True)
+                for p, c, r in zip(
+                    theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"], strict=True
+                )
             )
             assert (figures.documents, figures.rows, figures.truncated) == (len(rows), len(theirs), cut)
         splits = ready.manifest.splits.values()
@@ -394,5 +401,7 @@ def test_prepared_pairs_are_read_without_copying_them(tmp_path: Path) -> None:
     ids[0] = 99
     ids.flush()
     assert pairs[0]["chosen_ids"] == [99, *first[1:]]
-    with pytest.raises(DataError, match=r"has 16 preference pairs whose prompt fits .* fewer than one global batch \(17\)"):
+    with pytest.raises(
+        DataError, match=r"has 16 preference pairs whose prompt fits .* fewer than one global batch \(17\)"
+    ):
         ready.check_fills_a_batch(17, "pairs.jsonl")
