@@ -230,6 +230,9 @@ def _pairs_worker(kind: str, corpus: Path, model: Path, output: Path) -> dict[st
             "truncated": train.truncated,
         }
     elif kind == "dpo-read":
+        import datasets  # noqa: F401  (its import is the training process's anyway: not counted)
+        import pyarrow  # noqa: F401
+
         ready = prepare.find_or_prepare(config, tok)  # prepared by dpo-prepare-1 at the same output
         assert ready.reused
         base = _rss()

@@ -172,16 +172,18 @@ def test_a_bucket_output_gets_the_set_marker_last_and_hosts_read_a_local_copy(
 
 
 # ---- tpuft prepare ---------------------------------------------------------------------------------
-def run_prepare(tmp_path: Path, **dataset: Any) -> tuple[int, dict[str, Any], str]:
+def run_prepare(
+    tmp_path: Path, training: dict[str, Any] | None = None, **dataset: Any
+) -> tuple[int, dict[str, Any], str]:
     from tpuft_trainer.cli import prepare as prepare_command
     from tpuft_trainer.config import ModelSource
 
     model = (
         tiny.save_model_dir(tmp_path / "model") if not (tmp_path / "model").exists() else tmp_path / "model"
     )
-    config = tiny.trainer_config(DatasetSource(**dataset), tmp_path / "out", 64).model_copy(
-        update={"model": ModelSource(name=str(model))}
-    )
+    config = tiny.trainer_config(
+        DatasetSource(**dataset), tmp_path / "out", 64, **(training or {})
+    ).model_copy(update={"model": ModelSource(name=str(model))})
     (tmp_path / "config.yaml").write_text(config.to_yaml())
     summary = tmp_path / "termination-log"
     result = CliRunner().invoke(
@@ -405,3 +407,20 @@ def test_prepared_pairs_are_read_without_copying_them(tmp_path: Path) -> None:
         DataError, match=r"has 16 preference pairs whose prompt fits .* fewer than one global batch \(17\)"
     ):
         ready.check_fills_a_batch(17, "pairs.jsonl")
+
+
+def test_tpuft_prepare_prepares_the_pairs_of_a_dpo_run(tmp_path: Path) -> None:
+    """The operator's prepare Job runs for DPO runs too: their pairs are prepared and reported."""
+    from tpuft_trainer.prepare_contract import PrepareSummary
+
+    path = str(tiny.write_rows(tmp_path / "pairs.jsonl", tiny.preference_pairs(40, chat=True)))
+    dpo = {"objective": "dpo"}
+    code, body, output = run_prepare(tmp_path, dpo, name=path, format="preference", eval_fraction=0.25)
+    summary = PrepareSummary.from_message(json.dumps(body))
+    assert code == 0 and summary is not None, (body, output)
+    assert (summary.documents, summary.dropped, summary.rows, summary.eval_rows) == (30, 0, 30, 10)
+    assert summary.positions == 2 * 30 * 64 and 0 < summary.loss_tokens < summary.positions
+    code, body, _ = run_prepare(tmp_path, dpo, name=path, format="preference", eval_fraction=0.25)
+    assert code == 0 and body["reused"] is True
+    code, body, _ = run_prepare(tmp_path, dpo, name=path, format="preference", rejected_field="worse")
+    assert code == 65 and "Set dataset.rejectedField" in body["error"], body
