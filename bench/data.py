@@ -148,6 +148,11 @@ def _rss(field: str = "VmRSS") -> int:
     return 0
 
 
+def _cpu_seconds() -> float:
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
 def _config(corpus: Path, model: Path, output: Path, *, pairs: bool = False) -> Any:
     from tpuft_trainer.config import (
         DatasetSource,
@@ -208,7 +213,7 @@ def _pairs_worker(kind: str, corpus: Path, model: Path, output: Path) -> dict[st
         trl.trainer.dpo_trainer.global_then_local_main_first = contextlib.nullcontext  # type: ignore[assignment]
         args = DPOConfig(output_dir=tmp.mkdtemp(), report_to=[], **dpo.arguments(config))
     base = _rss()
-    started = time.monotonic()
+    started, cpu = time.monotonic(), _cpu_seconds()
     if kind == "dpo-trl":
         rows = sources.load_rows(config.dataset)
         trainer: Any = types.SimpleNamespace(_tokenizer=tok)  # all of the trainer it reads
@@ -236,7 +241,7 @@ def _pairs_worker(kind: str, corpus: Path, model: Path, output: Path) -> dict[st
         ready = prepare.find_or_prepare(config, tok)  # prepared by dpo-prepare-1 at the same output
         assert ready.reused
         base = _rss()
-        started = time.monotonic()
+        started, cpu = time.monotonic(), _cpu_seconds()
         dataset = ready.pairs()
         opened = _rss() - base
         tokens = 0
@@ -247,6 +252,9 @@ def _pairs_worker(kind: str, corpus: Path, model: Path, output: Path) -> dict[st
         raise SystemExit(f"unknown kind {kind}")
     result.update(
         seconds=round(time.monotonic() - started, 2),
+        # CPU seconds (this process and its workers): less sensitive than the wall time to other work
+        # sharing the machine.
+        cpu_seconds=round(_cpu_seconds() - cpu, 2),
         base_bytes=base,
         peak_bytes=_rss("VmHWM"),
         rss_after_bytes=_rss(),
@@ -357,6 +365,7 @@ def measure(kind: str, corpus: Path, model: Path, output: Path) -> dict[str, Any
         )
     if result.get("pairs"):
         result["pairs_per_second"] = round(result["pairs"] / max(result["seconds"], 1e-9), 1)
+        result["pairs_per_cpu_second"] = round(result["pairs"] / max(result["cpu_seconds"], 1e-9), 1)
     if result.get("rows"):
         result["packing_share"] = round(tokens / (result["rows"] * MAX_LENGTH), 4)
     return result
@@ -484,7 +493,8 @@ def report(results: dict[str, Any]) -> list[str]:
     pairs = results.get("pairs")
     if pairs:
         lines.append(
-            f"{pairs['pairs']} chat preference pairs (dpo): pairs/s, seconds, peak RSS over the base (MB)"
+            f"{pairs['pairs']} chat preference pairs (dpo): pairs/s, seconds, pairs per CPU second, "
+            "peak RSS over the base (MB)"
         )
         for kind in ("dpo-trl", "dpo-prepare-1", "dpo-prepare-2", "dpo-read"):
             r = pairs.get(kind, {})
@@ -492,7 +502,10 @@ def report(results: dict[str, Any]) -> list[str]:
                 lines.append(f"{kind:>14} failed")
                 continue
             peak = (r["peak_bytes"] - r["base_bytes"]) / 1e6
-            lines.append(f"{kind:>14} {r['pairs_per_second']:>9} {r['seconds']:>8} {peak:>8.0f}")
+            lines.append(
+                f"{kind:>14} {r['pairs_per_second']:>9} {r['seconds']:>8} "
+                f"{r.get('pairs_per_cpu_second', ''):>9} {peak:>8.0f}"
+            )
     start = results.get("startup")
     if not start:
         return lines
