@@ -123,7 +123,6 @@ def prepare(
         from tpuft_trainer import compat
 
         compat.check_prepared_pairs_trl()
-        preference.check_fields(train_rows.column_names, source)
     else:
         check_fields(train_rows.column_names, tokenizer, source)
     figures = {
@@ -246,6 +245,7 @@ def _prepare_pairs(
     rows: Any, directory: Path, config: TrainerConfig, tokenizer: Any, workers: int, what: str
 ) -> prepared.SplitFigures:
     source, max_length = config.dataset, config.training.max_seq_length
+    preference.check_fields(rows.column_names, source)  # each split's own (an evalSplit is another)
     if not len(rows):
         raise DataError(f"{what} {source.name} has no rows")
     writer = preference.PairWriter(directory)
