@@ -16,7 +16,13 @@ empty datasets cache (a pod starts with none), one at a time:
 - ``trl``: trl's own path: rendered, tokenised in batched ``dataset.map``, best-fit packed on Arrow
   with ``trl.data_utils.pack_dataset`` (no assistant mask: trl finds one only from markers);
 - ``train``: ``tpuft train`` (a tiny model on 4 PJRT CPU devices), seconds from process start to the
-  end of its first step, without and with the set prepared beforehand.
+  end of its first step, without and with the set prepared beforehand;
+- preference pairs (``--pairs N``, objective dpo): chat pairs made of the same conversations (the
+  prompt: every turn but the last answer; chosen: that answer; rejected: the next conversation's),
+  tokenised by ``dpo-trl`` (trl 1.16's DPOTrainer at start: ``_prepare_dataset``, what every host ran
+  before) and by ``dpo-prepare-1``/``-2`` (data.prepare, 1 and 2 workers: the same columns); and
+  ``dpo-read``: the prepared pairs opened as the Dataset DPOTrainer is given, then every pair read
+  (its RSS over the base: what the memory-mapped files cost a training process).
 
 Figures: wall seconds, conversations a second, peak RSS over the process's base (VmRSS once its
 imports and the tokenizer are loaded) in bytes a token, and for the pool the workers' own peak; rows
@@ -35,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,7 @@ from bench import results_file
 
 RESULTS = results_file("data")
 SIZES = (20_000, 100_000)
+PAIRS = 5_000
 LEGACY_MAX = 20_000
 MAX_LENGTH = 2048
 VOCAB = 32_000
@@ -140,7 +148,12 @@ def _rss(field: str = "VmRSS") -> int:
     return 0
 
 
-def _config(corpus: Path, model: Path, output: Path) -> Any:
+def _cpu_seconds() -> float:
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
+def _config(corpus: Path, model: Path, output: Path, *, pairs: bool = False) -> Any:
     from tpuft_trainer.config import (
         DatasetSource,
         ModelSource,
@@ -149,15 +162,110 @@ def _config(corpus: Path, model: Path, output: Path) -> Any:
         TrainingConfig,
     )  # fmt: skip
 
+    dataset = (
+        DatasetSource(name=str(corpus), format="preference")
+        if pairs
+        else DatasetSource(name=str(corpus), format="chat", packing=True)
+    )
     return TrainerConfig(
         model=ModelSource(name=str(model), dtype="float32"),
-        dataset=DatasetSource(name=str(corpus), format="chat", packing=True),
-        training=TrainingConfig(max_steps=2, max_seq_length=MAX_LENGTH, per_device_batch_size=1),
+        dataset=dataset,
+        training=TrainingConfig(
+            max_steps=2,
+            max_seq_length=MAX_LENGTH,
+            per_device_batch_size=1,
+            objective="dpo" if pairs else "sft",
+        ),
         output=OutputConfig(uri=str(output)),
     )
 
 
+def write_pairs(path: Path, corpus: Path, pairs: int) -> Path:
+    """Chat preference pairs made of the corpus' conversations (see the module docstring)."""
+    with corpus.open() as lines:
+        chats = [json.loads(line)["messages"] for _, line in zip(range(pairs + 1), lines, strict=False)]
+    with path.open("w") as out:
+        for chat, other in itertools.pairwise(chats):
+            row = {"prompt": chat[:-1], "chosen": chat[-1:], "rejected": other[-1:]}
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+def _pairs_worker(kind: str, corpus: Path, model: Path, output: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from tpuft_trainer.checkpoint.layout import Store
+    from tpuft_trainer.data import prepare, prepared, sources
+
+    tok = AutoTokenizer.from_pretrained(model)
+    config = _config(corpus, model, output, pairs=True)
+    result: dict[str, Any]
+    if kind == "dpo-trl":
+        import contextlib
+        import tempfile as tmp
+
+        import trl.trainer.dpo_trainer
+        from trl import DPOConfig, DPOTrainer
+
+        from tpuft_trainer import dpo
+
+        # One process: the ordering of processes around the map does no work.
+        trl.trainer.dpo_trainer.global_then_local_main_first = contextlib.nullcontext  # type: ignore[assignment]
+        args = DPOConfig(output_dir=tmp.mkdtemp(), report_to=[], **dpo.arguments(config))
+    base = _rss()
+    started, cpu = time.monotonic(), _cpu_seconds()
+    if kind == "dpo-trl":
+        rows = sources.load_rows(config.dataset)
+        trainer: Any = types.SimpleNamespace(_tokenizer=tok)  # all of the trainer it reads
+        done = DPOTrainer._prepare_dataset(trainer, rows, tok, args, "train")
+        result = {
+            "pairs": len(done),
+            "tokens": sum(sum(map(len, done[c])) for c in ("prompt_ids", "chosen_ids", "rejected_ids")),
+        }
+    elif kind.startswith("dpo-prepare-"):
+        key = prepared.fingerprint(config, tok)
+        ready = prepare.prepare(
+            config, tok, key, Store(str(output)), workers=int(kind.rsplit("-", 1)[1]), publish=True
+        )
+        train = ready.manifest.splits["train"]
+        result = {
+            "pairs": train.rows,
+            "tokens": train.tokens,
+            "dropped": train.dropped,
+            "truncated": train.truncated,
+        }
+    elif kind == "dpo-read":
+        import datasets  # noqa: F401  (its import is the training process's anyway: not counted)
+        import pyarrow  # noqa: F401
+
+        ready = prepare.find_or_prepare(config, tok)  # prepared by dpo-prepare-1 at the same output
+        assert ready.reused
+        base = _rss()
+        started, cpu = time.monotonic(), _cpu_seconds()
+        dataset = ready.pairs()
+        opened = _rss() - base
+        tokens = 0
+        for pair in dataset:
+            tokens += len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
+        result = {"pairs": len(dataset), "tokens": tokens, "opened_bytes": opened}
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+    result.update(
+        seconds=round(time.monotonic() - started, 2),
+        # CPU seconds (this process and its workers): less sensitive than the wall time to other work
+        # sharing the machine.
+        cpu_seconds=round(_cpu_seconds() - cpu, 2),
+        base_bytes=base,
+        peak_bytes=_rss("VmHWM"),
+        rss_after_bytes=_rss(),
+        workers_peak_bytes=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    )
+    return result
+
+
 def worker(kind: str, corpus: Path, model: Path, output: Path) -> dict[str, Any]:
+    if kind.startswith("dpo-"):
+        return _pairs_worker(kind, corpus, model, output)
     from transformers import AutoTokenizer
 
     from tpuft_trainer.config import DatasetSource
@@ -255,6 +363,9 @@ def measure(kind: str, corpus: Path, model: Path, output: Path) -> dict[str, Any
         result["worker_bytes_per_token"] = round(
             (result["workers_peak_bytes"] - result["base_bytes"]) / tokens, 1
         )
+    if result.get("pairs"):
+        result["pairs_per_second"] = round(result["pairs"] / max(result["seconds"], 1e-9), 1)
+        result["pairs_per_cpu_second"] = round(result["pairs"] / max(result["cpu_seconds"], 1e-9), 1)
     if result.get("rows"):
         result["packing_share"] = round(tokens / (result["rows"] * MAX_LENGTH), 4)
     return result
@@ -292,11 +403,18 @@ def startup(corpus: Path, model: Path, *, prepared_first: bool) -> dict[str, Any
 
 
 # ---- the run ------------------------------------------------------------------------------------------
-def main(sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
+def main(sizes: tuple[int, ...] = SIZES, pairs: int = PAIRS) -> dict[str, Any]:
+    """The SFT sizes (none: keep data.json's figures of them) and the preference pairs (0: keep theirs)."""
     work = Path(tempfile.mkdtemp(prefix="tpuft-bench-data-"))
-    corpus_all = write_corpus(work / f"chats-{max(sizes)}.jsonl", max(sizes))
+    most = max((*sizes, pairs + 1))
+    corpus_all = write_corpus(work / f"chats-{most}.jsonl", most)
     model = write_model(work / "model", write_tokenizer(work / "tokenizer", corpus_all))
-    results: dict[str, Any] = {"sizes": {}}
+    kept = json.loads(RESULTS.read_text()) if RESULTS.exists() and not (sizes and pairs) else {}
+    results: dict[str, Any] = {"sizes": {}} if sizes else kept
+    if pairs:
+        results["pairs"] = measure_pairs(work, corpus_all, model, pairs)
+    elif "pairs" in kept:
+        results["pairs"] = kept["pairs"]
     for size in sizes:
         corpus = work / f"chats-{size}.jsonl"
         if not corpus.exists():
@@ -310,12 +428,13 @@ def main(sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
                 runs[kind]["conversations_per_second"] = round(size / runs[kind]["seconds"], 1)
             print(f"{size} {kind}: {json.dumps(runs[kind])}", flush=True)
         results["sizes"][str(size)] = runs
-    smallest = work / f"chats-{min(sizes)}.jsonl"
-    results["startup"] = {
-        "conversations": min(sizes),
-        "without_prepared": startup(smallest, model, prepared_first=False),
-        "with_prepared": startup(smallest, model, prepared_first=True),
-    }
+    if sizes:
+        smallest = work / f"chats-{min(sizes)}.jsonl"
+        results["startup"] = {
+            "conversations": min(sizes),
+            "without_prepared": startup(smallest, model, prepared_first=False),
+            "with_prepared": startup(smallest, model, prepared_first=True),
+        }
     results.update(
         what="issue 47's data path at scale (see bench/data.py)",
         max_seq_length=MAX_LENGTH,
@@ -326,6 +445,17 @@ def main(sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print("\n".join(report(results)))
     return results
+
+
+def measure_pairs(work: Path, corpus: Path, model: Path, pairs: int) -> dict[str, Any]:
+    path = write_pairs(work / f"pairs-{pairs}.jsonl", corpus, pairs)
+    output = Path(tempfile.mkdtemp())  # dpo-read reads what dpo-prepare-1 published here
+    runs: dict[str, Any] = {"pairs": pairs}
+    for kind in ("dpo-trl", "dpo-prepare-1", "dpo-prepare-2", "dpo-read"):
+        where = output if kind in ("dpo-prepare-1", "dpo-read") else Path(tempfile.mkdtemp())
+        runs[kind] = measure(kind, path, model, where)
+        print(f"{pairs} pairs {kind}: {json.dumps(runs[kind])}", flush=True)
+    return runs
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
@@ -360,7 +490,25 @@ def report(results: dict[str, Any]) -> list[str]:
                 f"{size:>7} {kind:>10} {r['seconds']:>8} {r.get('conversations_per_second', ''):>8} "
                 f"{r['bytes_per_token']:>8} {r.get('rows', ''):>7} {r.get('packing_share', ''):>6}"
             )
-    start = results["startup"]
+    pairs = results.get("pairs")
+    if pairs:
+        lines.append(
+            f"{pairs['pairs']} chat preference pairs (dpo): pairs/s, seconds, pairs per CPU second, "
+            "peak RSS over the base (MB)"
+        )
+        for kind in ("dpo-trl", "dpo-prepare-1", "dpo-prepare-2", "dpo-read"):
+            r = pairs.get(kind, {})
+            if "seconds" not in r:
+                lines.append(f"{kind:>14} failed")
+                continue
+            peak = (r["peak_bytes"] - r["base_bytes"]) / 1e6
+            lines.append(
+                f"{kind:>14} {r['pairs_per_second']:>9} {r['seconds']:>8} "
+                f"{r.get('pairs_per_cpu_second', ''):>9} {peak:>8.0f}"
+            )
+    start = results.get("startup")
+    if not start:
+        return lines
     lines.append(
         f"tpuft train start-up at {start['conversations']} conversations: "
         f"{start['without_prepared'].get('startup_seconds')} s preparing in-process, "
@@ -372,8 +520,10 @@ def report(results: dict[str, Any]) -> list[str]:
 
 def cli(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench data", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
-    return main(tuple(parser.parse_args(argv).sizes))
+    parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="none: pairs only")
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="preference pairs (0: none)")
+    args = parser.parse_args(argv)
+    return main(tuple(args.sizes), args.pairs)
 
 
 if __name__ == "__main__":

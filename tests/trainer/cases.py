@@ -208,7 +208,7 @@ def compat_needed() -> dict[str, Any]:
     from tpuft_trainer import mesh as mesh_module
     from tpuft_trainer.config import MeshConfig
 
-    found: dict[str, str] = {}
+    found: dict[str, Any] = {}
 
     def attempt(name: str, fn: Any, *, patch: str | None = None) -> None:
         patch = patch or name
@@ -306,7 +306,7 @@ def compat_needed() -> dict[str, Any]:
         t.train()
         return f"trained with {t.args.optim} ({type(t.optimizer).__name__})"
 
-    def dpo_trainer(steps: int = 1, lora: bool = False, **extra: Any) -> Any:
+    def dpo_trainer(steps: int = 1, lora: bool = False, pairs: Any = None, **extra: Any) -> Any:
         from datasets import Dataset
         from peft import LoraConfig
         from trl import DPOConfig, DPOTrainer
@@ -327,7 +327,7 @@ def compat_needed() -> dict[str, Any]:
                 **get_fsdp_training_args(model),
                 **extra,
             ),
-            train_dataset=Dataset.from_list(tiny.preference_pairs()),
+            train_dataset=Dataset.from_list(tiny.preference_pairs()) if pairs is None else pairs,
             processing_class=tiny.tokenizer(),
             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
         )
@@ -343,13 +343,35 @@ def compat_needed() -> dict[str, Any]:
                 data = met.metric_data("CompileTime")
                 counts.append(int(data[0]) if data else 0)
 
-        t = dpo_trainer(steps=8)
+        # A constant learning rate: its first steps are those of the shorter run on prepared pairs.
+        t = dpo_trainer(steps=8, logging_steps=1, lr_scheduler_type="constant")
         t.add_callback(Count())
         t.train()
+        # trl tokenised the pairs itself here: the reference for the run on prepared pairs below.
+        found["dpo_losses:trl"] = [h["loss"] for h in t.state.log_history if "loss" in h]
         return f"compiles after warm-up={counts[-1] - counts[3]}"
+
+    def prepared_pairs() -> Any:
+        """tiny's pairs prepared as `tpuft train` prepares them (data/preference.py)."""
+        from tpuft_trainer.config import DatasetSource
+        from tpuft_trainer.data import prepare
+
+        root = Path(tempfile.mkdtemp())
+        path = tiny.write_rows(root / "pairs.jsonl", tiny.preference_pairs())
+        source = DatasetSource(name=str(path), format="preference")
+        config = tiny.trainer_config(source, root / "out", 32, objective="dpo")
+        return prepare.find_or_prepare(config, tiny.tokenizer()).pairs()
+
+    def dpo_on_prepared_pairs() -> str:
+        t = dpo_trainer(steps=3, pairs=prepared_pairs(), logging_steps=1, lr_scheduler_type="constant")
+        t.train()
+        found["dpo_losses:prepared"] = [h["loss"] for h in t.state.log_history if "loss" in h]
+        return f"pairs={len(t.train_dataset)}"
 
     attempt("dpo_metrics_fixed_shape", dpo_compiles_after_warm_up)
     attempt("dpo_lora_reference", lambda: dpo_trainer(lora=True).train())
+    attempt("dpo_pretokenised", dpo_on_prepared_pairs)
+    attempt("dpo_pretokenised:patched", dpo_on_prepared_pairs, patch="(none: every patch applied)")
     attempt(
         "xla_training_defaults:dpo",
         lambda: dpo_trainer(optim="adafactor").train(),

@@ -35,6 +35,8 @@ EXPECTED = {
     # trl's DPO metrics index by the completion mask: new graphs at later steps (with the patch: none)
     "dpo_metrics_fixed_shape": "no error: compiles after warm-up=",
     "dpo_lora_reference": "TypeError: 'NoneType' object is not callable",
+    # trl tokenises every dataset it is given: prepared pairs are taken for raw ones
+    "dpo_pretokenised": "KeyError: 'chosen'",
 }
 
 
@@ -48,6 +50,27 @@ def test_upstream_breakage_still_present(pool: Pool, name: str) -> None:
     assert found[name].startswith(EXPECTED[name]), f"{name}: {found[name]}"
     if name in ("reloadable_checkpoint", "gathers_compiled_once", "dpo_metrics_fixed_shape"):
         assert int(found[name].rsplit("=", 1)[1]) > 0
+
+
+def test_dpo_on_prepared_pairs_has_the_losses_of_trls_own_tokenisation(pool: Pool) -> None:
+    """The same DPOTrainer, model, seed and pairs: tokenised by trl at start, or prepared by
+    data.prepare and taken as they are (dpo_pretokenised). The same batches, so the same losses."""
+    found: dict[str, Any] = pool.get("compat@4").result
+    assert found["dpo_pretokenised:patched"] == "no error: pairs=64", found["dpo_pretokenised:patched"]
+    theirs, ours = found["dpo_losses:trl"][:3], found["dpo_losses:prepared"]
+    assert len(ours) == 3 and ours == pytest.approx(theirs, abs=1e-6), (theirs, ours)
+    assert len(set(ours)) > 1  # the steps trained: the batches differ and the policy moved
+
+
+def test_prepared_pairs_refuse_a_trl_they_were_not_checked_against(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    from tpuft_trainer.errors import ConfigError
+
+    compat.check_prepared_pairs_trl()  # the pinned one
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.17.0" if name == "trl" else "0")
+    with pytest.raises(ConfigError, match=r"trl 1\.17\.0; tpuft prepares preference pairs as trl 1\.16"):
+        compat.check_prepared_pairs_trl()
 
 
 def test_use_fsdp_v2_is_idempotent_and_applies_every_patch(pool: Pool) -> None:

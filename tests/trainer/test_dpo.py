@@ -199,6 +199,13 @@ def test_two_devices_give_the_same_losses_and_sigterm_resumes(pool: Pool) -> Non
     reference = losses(metrics(reference_output))
     before, after = logged_losses(stopped), losses(metrics(output))
     assert metrics(output)["resumed_from"] == "checkpoint-3"
+    # The pairs were prepared once, by the first start (rank 0 published them); the restart read them
+    # memory-mapped and trl took them as they are: nobody tokenised them again.
+    assert "preference pairs prepared before, not tokenised again" in stopped.stderr
+    assert "prepared now" in stopped.stderr and "Tokenizing train dataset" not in stopped.stderr
+    assert metrics(output)["data"]["reused"] is True
+    assert "prepared before, read memory-mapped" in resumed.stderr
+    assert "preparing dataset" not in resumed.stderr and "Tokenizing" not in resumed.stderr
     assert sorted(after) == list(range(4, STEPS + 1))
     # 2 devices (the stopped and the resumed run) against 4 (the rendered run): the same losses.
     assert {s: before[s] for s in (1, 2, 3)} == pytest.approx({s: reference[s] for s in (1, 2, 3)}, abs=1e-4)

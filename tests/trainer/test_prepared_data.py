@@ -172,16 +172,18 @@ def test_a_bucket_output_gets_the_set_marker_last_and_hosts_read_a_local_copy(
 
 
 # ---- tpuft prepare ---------------------------------------------------------------------------------
-def run_prepare(tmp_path: Path, **dataset: Any) -> tuple[int, dict[str, Any], str]:
+def run_prepare(
+    tmp_path: Path, training: dict[str, Any] | None = None, **dataset: Any
+) -> tuple[int, dict[str, Any], str]:
     from tpuft_trainer.cli import prepare as prepare_command
     from tpuft_trainer.config import ModelSource
 
     model = (
         tiny.save_model_dir(tmp_path / "model") if not (tmp_path / "model").exists() else tmp_path / "model"
     )
-    config = tiny.trainer_config(DatasetSource(**dataset), tmp_path / "out", 64).model_copy(
-        update={"model": ModelSource(name=str(model))}
-    )
+    config = tiny.trainer_config(
+        DatasetSource(**dataset), tmp_path / "out", 64, **(training or {})
+    ).model_copy(update={"model": ModelSource(name=str(model))})
     (tmp_path / "config.yaml").write_text(config.to_yaml())
     summary = tmp_path / "termination-log"
     result = CliRunner().invoke(
@@ -289,3 +291,136 @@ def test_an_evaluation_split_without_rows_to_evaluate_is_a_data_error(tmp_path: 
         prepare.find_or_prepare(
             tiny.trainer_config(DatasetSource(name=str(tmp_path / "none.jsonl")), tmp_path / "out", 32), tok
         )
+
+
+# ---- preference pairs (objective dpo) ---------------------------------------------------------------
+PAIR_LENGTH = 40  # short enough that some prompts fill it (dropped) and some completions pass it (cut)
+# A template whose generation prompt ends otherwise than the rendered assistant turn begins: the
+# tokenised prompt is not a prefix of prompt + completion (as Gemma's), so the completion starts earlier.
+MOVED_BOUNDARY_TEMPLATE = tiny.CHAT_TEMPLATE.replace(
+    "<s>assistant: {% endif %}", "<s>assistant:\n{% endif %}"
+)
+
+
+def preference_rows(chat: bool) -> list[dict[str, Any]]:
+    """tiny's pairs and the edges: a prompt that fills PAIR_LENGTH alone, a completion longer than it,
+    a plain completion that ends with EOS already, a multi-turn chat prompt."""
+    rows = tiny.preference_pairs(48, chat=chat)
+    long_prompt, long_answer = "why " * 12, "because " * 8
+    if chat:
+        user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+        said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+        rows += [
+            {"prompt": user(long_prompt), "chosen": said("yes"), "rejected": said("no")},
+            {"prompt": user("q?"), "chosen": said(long_answer), "rejected": said("no")},
+            {
+                "prompt": [{"role": "system", "content": "be"}, *user("a"), *said("b"), *user("c?")],
+                "chosen": said("yes"),
+                "rejected": said("no"),
+            },
+        ]
+    else:
+        rows += [
+            {"prompt": long_prompt, "chosen": "yes", "rejected": "no"},
+            {"prompt": "q? ", "chosen": long_answer, "rejected": "no"},
+            {"prompt": "q? ", "chosen": "yes</s>", "rejected": "no"},
+        ]
+    return rows
+
+
+def trl_pairs(rows: Any, tok: Any, config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """trl 1.16's own tokenisation of ``rows``: DPOTrainer._prepare_dataset with tpuft's DPOConfig."""
+    import contextlib
+    import tempfile
+    from types import SimpleNamespace
+
+    import trl.trainer.dpo_trainer
+    from trl import DPOConfig, DPOTrainer
+
+    from tpuft_trainer import dpo
+
+    # One process: its "main process first" ordering would start accelerate's state (and with it the
+    # XLA runtime in this test process) for nothing.
+    monkeypatch.setattr(trl.trainer.dpo_trainer, "global_then_local_main_first", contextlib.nullcontext)
+    args = DPOConfig(output_dir=tempfile.mkdtemp(), report_to=[], **dpo.arguments(config))
+    return DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok), rows, tok, args, "train")
+
+
+@pytest.mark.parametrize("kind", ["plain", "chat", "chat, prompt not a prefix"])
+def test_prepared_pairs_equal_trls_own_tokenisation(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tpuft_trainer.data import preference
+
+    tok = tiny.tokenizer()
+    if "prefix" in kind:
+        tok.chat_template = MOVED_BOUNDARY_TEMPLATE
+    path = tiny.write_rows(tmp_path / "pairs.jsonl", preference_rows(chat=kind != "plain"))
+    source = DatasetSource(name=str(path), format="preference", eval_fraction=0.25)
+    monkeypatch.setattr(prepare, "CHUNK_ROWS", 16)  # several chunks, so the pool's order matters
+    train_rows, eval_rows = prepare.split_rows(data.load_rows(source), source, seed=42)
+    for workers in (1, 2) if kind == "chat" else (1,):  # (a pool of workers costs seconds to start)
+        config = tiny.trainer_config(source, tmp_path / f"out-{workers}", PAIR_LENGTH, objective="dpo")
+        ready = prepare.find_or_prepare(config, tok, workers=workers)
+        assert ready.manifest.pairs and not ready.reused
+        for split, rows in (("train", train_rows), ("eval", eval_rows)):
+            theirs = trl_pairs(rows, tok, config, monkeypatch)
+            ours = ready.pairs(split)
+            assert ours.column_names == list(preference.ID_COLUMNS)
+            assert ours.to_dict() == theirs.select_columns(list(preference.ID_COLUMNS)).to_dict(), (
+                kind,
+                split,
+            )
+            figures = ready.manifest.splits[split]
+            cut = sum(
+                len(p) + max(len(c), len(r)) > PAIR_LENGTH
+                for p, c, r in zip(
+                    theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"], strict=True
+                )
+            )
+            assert (figures.documents, figures.rows, figures.truncated) == (len(rows), len(theirs), cut)
+        splits = ready.manifest.splits.values()
+        assert sum(f.dropped for f in splits) and sum(f.truncated for f in splits), splits  # the edges
+        train = ready.manifest.splits["train"]
+        assert ready.manifest.positions() == 2 * train.rows * PAIR_LENGTH
+    if "prefix" in kind:  # the boundary moved: the prompt's last token ("\n") is left out, as trl does
+        assert all(ids[-1] != tok.convert_tokens_to_ids("\n") for ids in ready.pairs("train")["prompt_ids"])
+
+
+def test_prepared_pairs_are_read_without_copying_them(tmp_path: Path) -> None:
+    """The Dataset DPOTrainer gets is Arrow laid over the memory-mapped files: its ids are the files'
+    pages (a rewritten file shows through), not a copy held in the process."""
+    import numpy as np
+
+    path = tiny.write_rows(tmp_path / "pairs.jsonl", tiny.preference_pairs(16))
+    config = tiny.trainer_config(
+        DatasetSource(name=str(path), format="preference"), tmp_path / "out", 64, objective="dpo"
+    )
+    ready = prepare.find_or_prepare(config, tiny.tokenizer())
+    pairs = ready.pairs()
+    first = pairs[0]["chosen_ids"]
+    ids = np.memmap(ready.directory / "train" / "chosen_ids.bin", dtype="<i4", mode="r+")
+    ids[0] = 99
+    ids.flush()
+    assert pairs[0]["chosen_ids"] == [99, *first[1:]]
+    with pytest.raises(
+        DataError, match=r"has 16 preference pairs whose prompt fits .* fewer than one global batch \(17\)"
+    ):
+        ready.check_fills_a_batch(17, "pairs.jsonl")
+
+
+def test_tpuft_prepare_prepares_the_pairs_of_a_dpo_run(tmp_path: Path) -> None:
+    """The operator's prepare Job runs for DPO runs too: their pairs are prepared and reported."""
+    from tpuft_trainer.prepare_contract import PrepareSummary
+
+    path = str(tiny.write_rows(tmp_path / "pairs.jsonl", tiny.preference_pairs(40, chat=True)))
+    dpo = {"objective": "dpo"}
+    code, body, output = run_prepare(tmp_path, dpo, name=path, format="preference", eval_fraction=0.25)
+    summary = PrepareSummary.from_message(json.dumps(body))
+    assert code == 0 and summary is not None, (body, output)
+    assert (summary.documents, summary.dropped, summary.rows, summary.eval_rows) == (30, 0, 30, 10)
+    assert summary.positions == 2 * 30 * 64 and 0 < summary.loss_tokens < summary.positions
+    code, body, _ = run_prepare(tmp_path, dpo, name=path, format="preference", eval_fraction=0.25)
+    assert code == 0 and body["reused"] is True
+    code, body, _ = run_prepare(tmp_path, dpo, name=path, format="preference", rejected_field="worse")
+    assert code == 65 and "Set dataset.rejectedField" in body["error"], body

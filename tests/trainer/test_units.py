@@ -548,33 +548,22 @@ def test_dpo_and_preference_need_each_other_in_the_trainer_config() -> None:
     assert ok.training.dpo_settings.beta == 0.1 and ok.training.dpo_settings.loss_type == "sigmoid"
 
 
-def test_preference_rows_are_checked_and_renamed() -> None:
-    from datasets import Dataset
-
-    from tpuft_trainer import dpo
+def test_preference_fields_and_kinds_are_checked() -> None:
     from tpuft_trainer.config import DatasetSource
+    from tpuft_trainer.data import preference
 
-    tok = tiny.tokenizer()
     source = DatasetSource(name="pairs", format="preference", chosen_field="good", rejected_field="bad")
-    rows = Dataset.from_list([{"prompt": "q? ", "good": "yes", "bad": "no", "extra": 1}])
-    picked = dpo.preference_rows(rows, source, tok)
-    assert picked.column_names == ["prompt", "chosen", "rejected"] and picked[0]["chosen"] == "yes"
+    preference.check_fields(["prompt", "good", "bad", "extra"], source)
     with pytest.raises(DataError, match=r"has no 'good' field .*Set dataset\.chosenField"):
-        dpo.preference_rows(Dataset.from_list([{"prompt": "q", "chosen": "a", "bad": "b"}]), source, tok)
-    mixed = Dataset.from_list(
-        [
-            {
-                "prompt": "q? ",
-                "good": [{"role": "assistant", "content": "yes"}],
-                "bad": [{"role": "assistant", "content": "no"}],
-            }
-        ]
-    )
+        preference.check_fields(["prompt", "chosen", "bad"], source)
+    assert preference.kind_of({"prompt": ["q? "], "good": ["yes"], "bad": ["no"]}, source) == "text"
+    message = [{"role": "assistant", "content": "yes"}]
+    mixed = {"prompt": ["q? "], "good": [message], "bad": [message]}
     with pytest.raises(DataError, match="every prompt, chosen and rejected value must be a string"):
-        dpo.preference_rows(mixed, source, tok)
+        preference.kind_of(mixed, source)
     same = DatasetSource(name="pairs", format="preference", chosen_field="prompt", rejected_field="bad")
     with pytest.raises(DataError, match="three different fields"):
-        dpo.preference_rows(rows, same, tok)
+        preference.check_fields(["prompt", "bad"], same)
 
 
 # ---- TPU device files and the pod's user -----------------------------------------------------------

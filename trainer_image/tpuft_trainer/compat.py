@@ -436,6 +436,12 @@ def _dpo_trainer_module() -> Any:
     return trl.trainer.dpo_trainer
 
 
+def _dpo_trainer_class() -> Any:
+    from trl import DPOTrainer
+
+    return DPOTrainer
+
+
 def _masked_sum_tensor_class() -> Any:
     import torch
 
@@ -502,6 +508,57 @@ def _is_spmd_fsdp_safe(model: Any) -> bool:
         return _is_spmd_fsdp(model)
     except ImportError:
         return False
+
+
+# ---- 12. DPO on pairs prepared before (data/preference.py) ----------------------------------------
+# The trl releases whose DPOTrainer tokenisation data/preference.py reproduces, exactly (its columns,
+# the completion's start at the common prefix, EOS on plain text, the keep_start filter); part of a
+# prepared set's fingerprint. Another trl may tokenise otherwise: prepared pairs are refused with it.
+PREPARED_PAIRS_TRL: tuple[str, ...] = ("1.16",)
+PREPARED_PAIRS_TOKENISATION = "trl 1.16 DPOTrainer._prepare_dataset"
+
+
+def check_prepared_pairs_trl() -> None:
+    """Refuses a trl whose DPOTrainer tokenisation tpuft's prepared pairs were not checked against.
+    Read from the package's metadata: importing trl starts torch_xla, which ``tpuft prepare`` (on CPU,
+    forking its workers) does without."""
+    from importlib.metadata import version
+
+    from tpuft_trainer.errors import ConfigError
+
+    installed = version("trl")
+    release = ".".join(installed.split(".")[:2])
+    if release not in PREPARED_PAIRS_TRL:
+        raise ConfigError(
+            f"this trainer image has trl {installed}; tpuft prepares preference pairs as trl "
+            f"{', '.join(PREPARED_PAIRS_TRL)} tokenises them (data/preference.py, compat.py) and has not been "
+            "checked against this one: use the trainer image of this tpuft release"
+        )
+
+
+def _takes_prepared_pairs(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _prepare_dataset(self: Any, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        # trl 1.16 tokenises every dataset it is given (only vision sets skip it), with no documented way
+        # to hand it pairs tokenised already: given trl's own columns it would look for a prompt to
+        # extract ("KeyError: 'chosen'"). Pairs prepared by data.prepare are those columns, made as
+        # this method makes them (and dropped as its keep_start filter drops them): taken as they are.
+        from tpuft_trainer.data.preference import ID_COLUMNS
+        from tpuft_trainer.errors import ConfigError
+
+        if sorted(getattr(dataset, "column_names", None) or ()) != sorted(ID_COLUMNS):
+            return original(self, dataset, processing_class, args, dataset_name)
+        check_prepared_pairs_trl()
+        if args.max_length is None or args.truncation_mode != "keep_start":
+            raise ConfigError(
+                "prepared preference pairs drop those whose prompt fills max_length, as trl does with "
+                f"truncation_mode keep_start; DPOConfig has max_length={args.max_length}, "
+                f"truncation_mode={args.truncation_mode!r}"
+            )
+        log.info("%s: %d preference pairs prepared before, not tokenised again", dataset_name, len(dataset))
+        return dataset
+
+    return _prepare_dataset
 
 
 # ---- 8. our mesh wins over the Trainer's ---------------------------------------------------------
@@ -606,6 +663,14 @@ PATCHES: list[Patch] = [
         _dpo_trainer_module,
         "is_peft_model",
         _peft_inside_fsdp_v2,
+    ),
+    Patch(
+        "dpo_pretokenised",
+        "KeyError: 'chosen' (trl's DPOTrainer tokenises every dataset it is given: pairs tokenised already, in "
+        "its own columns, are taken for raw ones and tokenised again)",
+        _dpo_trainer_class,
+        "_prepare_dataset",
+        _takes_prepared_pairs,
     ),
     Patch(
         "mesh_wins",

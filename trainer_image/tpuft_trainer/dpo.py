@@ -1,8 +1,10 @@
 """Preference tuning (DPO): trl's DPOTrainer on the same FSDPv2 mesh, checkpoints and callbacks as SFT.
 
 - Rows: a prompt, a chosen and a rejected completion (``dataset.promptField`` ... ``rejectedField``),
-  each a string or a list of chat messages. trl tokenises them (chat lists with the chat template) and
-  appends EOS to plain strings.
+  each a string or a list of chat messages. They are tokenised once, as trl's DPOTrainer would
+  (chat lists with the chat template, EOS appended to plain strings), by ``tpuft prepare`` or the
+  first start (data/preference.py), and DPOTrainer takes them as they are (compat.dpo_pretokenised):
+  no host tokenises them at start or after a restart.
 - Fixed shapes: every batch is ``2 x global batch`` rows (the chosen then the rejected completions) of
   exactly ``max_seq_length`` positions: prompt + completion is cut to it (``keep_start``) and padded
   to a multiple of it, so XLA compiles the same graphs at every step.
@@ -21,61 +23,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tpuft_trainer.config import DatasetSource, TrainerConfig
-from tpuft_trainer.errors import DataError
+from tpuft_trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
-# The columns trl's DPOTrainer reads, and the API field that names each in the user's rows.
-COLUMNS = {"prompt": "promptField", "chosen": "chosenField", "rejected": "rejectedField"}
 # trl's logged metrics -> the run record's and status.progress's names.
 REWARD_ACCURACY = "rewards/accuracies"
 REWARD_MARGIN = "rewards/margins"
-
-
-def _source_fields(source: DatasetSource) -> dict[str, str]:
-    return {"prompt": source.prompt_field, "chosen": source.chosen_field, "rejected": source.rejected_field}
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return "messages"
-    return type(value).__name__
-
-
-def preference_rows(rows: Any, source: DatasetSource, tokenizer: Any) -> Any:
-    """The rows as trl's ``prompt``/``chosen``/``rejected`` columns, each of one kind (text or chat
-    messages) in every row; a missing or ill-typed field is a DataError naming it."""
-    fields = _source_fields(source)
-    for column, name in fields.items():
-        if name not in rows.column_names:
-            raise DataError(
-                f"dataset {source.name} has no {name!r} field (format preference, the {column}); its fields "
-                f"are {rows.column_names}. Set dataset.{COLUMNS[column]}."
-            )
-    if len(set(fields.values())) < len(fields):
-        raise DataError(
-            f"dataset {source.name}: dataset.promptField, chosenField and rejectedField must name three "
-            f"different fields, not {list(fields.values())}"
-        )
-    picked = rows.select_columns(list(fields.values()))
-    picked = picked.rename_columns({name: column for column, name in fields.items() if name != column})
-    kinds: dict[str, set[str]] = {column: set() for column in fields}
-    for row in picked:
-        for column in fields:
-            kinds[column].add(_kind(row[column]))
-    found = set().union(*kinds.values())
-    if not found <= {"text", "messages"} or len(found) > 1:
-        detail = ", ".join(f"{fields[c]}: {sorted(k)}" for c, k in kinds.items())
-        raise DataError(
-            f"dataset {source.name}: every prompt, chosen and rejected value must be a string, or every one a "
-            f"list of chat messages ({{role, content}}); found {detail}"
-        )
-    if found == {"messages"} and not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"dataset {source.name} has chat messages but the tokenizer has no chat template")
-    return picked
 
 
 def arguments(config: TrainerConfig) -> dict[str, Any]:
@@ -138,16 +92,6 @@ def reference_sharding(trainer: Any) -> dict[str, str]:
     return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in reference.named_parameters()}
 
 
-def check_rows(trainer: Any, source: DatasetSource, global_batch: int) -> None:
-    """trl drops pairs whose prompt fills max_seq_length; every batch must still be full."""
-    for what, dataset in (("dataset", trainer.train_dataset), ("evaluation set", trainer.eval_dataset)):
-        if dataset is not None and len(dataset) < global_batch:
-            raise DataError(
-                f"{what} {source.name} has {len(dataset)} preference pairs whose prompt fits in "
-                f"training.maxSeqLength, fewer than one global batch ({global_batch}); every batch must be full"
-            )
-
-
 def build_trainer(
     config: TrainerConfig,
     model: Any,
@@ -158,13 +102,14 @@ def build_trainer(
     eval_dataset: Any,
     training_arguments: dict[str, Any],
     callbacks: list[Any],
-    global_batch: int,
 ) -> Any:
     from trl import DPOConfig, DPOTrainer
 
     from tpuft_trainer.checkpoint.hf_trainer import with_sharded_checkpoints
 
     args = DPOConfig(**training_arguments, **arguments(config))
+    # The pairs are prepared (data/preference.py): DPOTrainer takes them without tokenising again
+    # (compat.dpo_pretokenised, applied with the other patches by fsdp_v2.use_fsdp_v2).
     trainer = with_sharded_checkpoints(DPOTrainer)(
         model=model,
         ref_model=reference,
@@ -175,6 +120,5 @@ def build_trainer(
         callbacks=callbacks,
         peft_config=lora,
     )
-    check_rows(trainer, config.dataset, global_batch)
     shard_reference(trainer)
     return trainer

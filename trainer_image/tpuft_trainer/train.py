@@ -277,7 +277,9 @@ def _model_and_data(
         model = get_peft_model(model, peft_lora_config(config.training.lora))
     global_batch = training.per_device_batch_size * shape.batch_ways
     if preference:
-        dataset, eval_dataset = _preference_datasets(config, tokenizer)
+        dataset, eval_dataset = _preference_datasets(
+            config, tokenizer, global_batch, record, process.is_rank_zero
+        )
         return _Inputs(
             model, tokenizer, loaded.tensor_parallel_weights, dataset, eval_dataset, None,
             dpo.load_reference(config, location), global_batch,
@@ -646,19 +648,33 @@ def _datasets(
     return dataset, eval_dataset, eval_batches
 
 
-def _preference_datasets(config: TrainerConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """Preference pairs for trl's DPOTrainer (which tokenises them), and evaluation pairs or None."""
-    train_rows, eval_rows = data_prepare.split_rows(
-        data.load_rows(config.dataset), config.dataset, config.training.seed
+def _preference_datasets(
+    config: TrainerConfig, tokenizer: Any, global_batch: int, record: RunRecord, is_rank_zero: bool
+) -> tuple[Any, Any]:
+    """Preference pairs and evaluation pairs (or None), tokenised as trl's DPOTrainer tokenises them,
+    read from the prepared dataset (data/preference.py): the one ``tpuft prepare`` left at the output,
+    else prepared here (rank 0 publishes it, so a restart reads it). DPOTrainer takes them as they are
+    (compat.dpo_pretokenised)."""
+    ready = data_prepare.find_or_prepare(
+        config, tokenizer, workers=data_prepare.default_workers(), publish=is_rank_zero
     )
-    dataset = dpo.preference_rows(train_rows, config.dataset, tokenizer)
-    eval_dataset = (
-        dpo.preference_rows(eval_rows, config.dataset, tokenizer) if eval_rows is not None else None
-    )
+    ready.check_fills_a_batch(global_batch, config.dataset.name)
+    train = ready.manifest.splits[prepared.TRAIN]
+    dataset = ready.pairs(prepared.TRAIN)
+    eval_dataset = ready.pairs(prepared.EVAL) if ready.has_eval else None
+    record.loss_token_share = round(train.loss_tokens / max(1, ready.manifest.positions()), 4)
+    record.data = {
+        "fingerprint": ready.manifest.fingerprint,
+        "reused": ready.reused,
+        "seconds": ready.manifest.seconds,
+        "directory": str(ready.directory),
+    }
     log.info(
-        "%d preference pairs, each two rows of %d positions%s",
+        "%d preference pairs, each two rows of %d positions (%s; %d longer, cut when batched)%s",
         len(dataset),
         config.training.max_seq_length,
+        "prepared before, read memory-mapped" if ready.reused else "prepared now",
+        train.truncated,
         f"; {len(eval_dataset)} evaluation pairs" if eval_dataset is not None else "",
     )
     return dataset, eval_dataset
@@ -747,7 +763,6 @@ def _build_trainer(
             eval_dataset,
             arguments,
             callbacks,
-            global_batch,
         )
     # Text and chat alike: the rows are tokenised, labelled (assistant-only loss) and packed (position
     # ids) already, so they are stacked as they are. trl's SFTTrainer would rebuild the position ids

@@ -25,7 +25,7 @@ from typing import Any
 
 from tpuft_trainer.checkpoint.layout import Store
 from tpuft_trainer.config import DatasetSource, TrainerConfig
-from tpuft_trainer.data import prepared, sources
+from tpuft_trainer.data import preference, prepared, sources
 from tpuft_trainer.data.encode import EncodedChunk, check_fields, encode_chunk, field_of
 from tpuft_trainer.errors import DataError, PermissionDeniedError
 
@@ -45,6 +45,11 @@ class Prepared:
     def rows(self, split: str = prepared.TRAIN, *, padding_rows: int = 0) -> prepared.PreparedRows:
         return prepared.PreparedRows(self.directory, self.manifest, split, padding_rows=padding_rows)
 
+    def pairs(self, split: str = prepared.TRAIN) -> Any:
+        """Preference pairs as trl's DPOTrainer's tokenised columns (a ``datasets.Dataset`` laid over
+        the memory-mapped files, data/preference.py)."""
+        return preference.pairs_dataset(self.directory / split, f"{self.manifest.fingerprint}-{split}")
+
     @property
     def has_eval(self) -> bool:
         return prepared.EVAL in self.manifest.splits
@@ -53,6 +58,16 @@ class Prepared:
         """Every training batch must be full (one compiled shape; the Trainer drops a partial last one):
         a set of fewer rows than one global batch is the user's error, said with its figures."""
         train = self.manifest.splits[prepared.TRAIN]
+        if self.manifest.pairs:
+            for split, what in ((prepared.TRAIN, "dataset"), (prepared.EVAL, "evaluation set")):
+                figures = self.manifest.splits.get(split)
+                if figures is not None and figures.rows < global_batch:
+                    raise DataError(
+                        f"{what} {name} has {figures.rows} preference pairs whose prompt fits in "
+                        f"training.maxSeqLength ({figures.dropped} of {figures.documents} do not), fewer "
+                        f"than one global batch ({global_batch}); every batch must be full"
+                    )
+            return
         if train.rows < global_batch:
             packed = (
                 f" after packing {train.documents - train.dropped} documents" if self.manifest.packed else ""
@@ -103,7 +118,13 @@ def prepare(
     shutil.rmtree(local, ignore_errors=True)  # a cut-off prepare (no marker) of an earlier attempt
     log.info("preparing dataset %s with %d worker(s) into %s", source.name, workers, local)
     train_rows, eval_rows = split_rows(sources.load_rows(source), source, training.seed)
-    check_fields(train_rows.column_names, tokenizer, source)
+    pairs = source.format == "preference"
+    if pairs:
+        from tpuft_trainer import compat
+
+        compat.check_prepared_pairs_trl()
+    else:
+        check_fields(train_rows.column_names, tokenizer, source)
     figures = {
         prepared.TRAIN: _prepare_split(
             train_rows, local / prepared.TRAIN, config, tokenizer, workers, "dataset"
@@ -123,6 +144,7 @@ def prepare(
         splits=figures,
         seconds=round(time.monotonic() - started, 2),
         workers=workers,
+        pairs=pairs,
     )
     if publish:
         try:
@@ -134,6 +156,19 @@ def prepare(
     else:
         (local / prepared.MANIFEST).write_text(manifest.to_json())
     train = figures[prepared.TRAIN]
+    if pairs:
+        log.info(
+            "prepared %d preference pairs (%d dropped: prompt fills training.maxSeqLength; %d longer than it, "
+            "cut when batched) in %.1f s (%.1f pairs/s, %.0f tokens/s)%s",
+            train.rows,
+            train.dropped,
+            train.truncated,
+            manifest.seconds,
+            sum(f.documents for f in figures.values()) / max(manifest.seconds, 1e-9),
+            manifest.tokens_per_second,
+            f"; {figures[prepared.EVAL].rows} evaluation pairs" if prepared.EVAL in figures else "",
+        )
+        return Prepared(local, manifest, reused=False)
     log.info(
         "prepared %d documents (%d dropped) into %d %s rows of %d positions in %.1f s (%.0f tokens/s); "
         "%.1f%% of the positions count in the loss%s",
@@ -180,8 +215,11 @@ def _prepare_split(
     rows: Any, directory: Path, config: TrainerConfig, tokenizer: Any, workers: int, what: str
 ) -> prepared.SplitFigures:
     source, max_length = config.dataset, config.training.max_seq_length
+    if source.format == "preference":
+        return _prepare_pairs(rows, directory, config, tokenizer, workers, what)
     writer = prepared.SplitWriter(directory)
     for chunk in encoded_chunks(rows, tokenizer, source, max_length, workers):
+        assert isinstance(chunk, EncodedChunk)
         writer.add(chunk)
     figures = writer.finish(max_length, packed=source.packing)
     cause = (
@@ -203,21 +241,68 @@ def _prepare_split(
     return figures
 
 
+def _prepare_pairs(
+    rows: Any, directory: Path, config: TrainerConfig, tokenizer: Any, workers: int, what: str
+) -> prepared.SplitFigures:
+    source, max_length = config.dataset, config.training.max_seq_length
+    preference.check_fields(rows.column_names, source)  # each split's own (an evalSplit is another)
+    if not len(rows):
+        raise DataError(f"{what} {source.name} has no rows")
+    writer = preference.PairWriter(directory)
+    for chunk in encoded_chunks(rows, tokenizer, source, max_length, workers):
+        assert isinstance(chunk, preference.EncodedPairs)
+        writer.add(chunk)
+    figures = writer.finish()
+    if figures.dropped == figures.documents:
+        raise DataError(
+            f"{what} {source.name}: the prompt of every one of its {figures.documents} pairs fills "
+            f"training.maxSeqLength ({max_length} tokens), leaving nothing of the completions; raise it"
+        )
+    if figures.dropped:
+        log.warning(
+            "%s %s: %d of %d pairs dropped: their prompt fills training.maxSeqLength (%d tokens)",
+            what, source.name, figures.dropped, figures.documents, max_length,
+        )  # fmt: skip
+    if writer.moved_boundary:
+        log.warning(
+            "%s %s: in %d of %d pairs the tokenised prompt is not a prefix of prompt + completion (a chat "
+            "template that renders the prompt alone differently, or tokens merging across the boundary): "
+            "the completion starts where they differ, as trl's DPOTrainer does",
+            what, source.name, writer.moved_boundary, figures.documents,
+        )  # fmt: skip
+    return figures
+
+
 # ---- the workers ----------------------------------------------------------------------------------
 def encoded_chunks(
     rows: Any, tokenizer: Any, source: DatasetSource, max_length: int, workers: int
-) -> Iterator[EncodedChunk]:
-    """Every chunk of ``rows`` encoded, in order, on ``workers`` processes (1: this one)."""
-    column = rows.select_columns([field_of(source)])
+) -> Iterator[EncodedChunk | preference.EncodedPairs]:
+    """Every chunk of ``rows`` encoded, in order, on ``workers`` processes (1: this one): documents
+    (``EncodedChunk``), or for format preference pairs (``preference.EncodedPairs``)."""
+    if source.format == "preference":
+        # trl decides by the first pair whether the set is chat; every chunk must agree with it.
+        named = preference.fields(source)
+        column = rows.select_columns(list(named.values()))
+        kind = preference.kind_of(column[:1], source) if len(rows) else preference.TEXT
+    else:
+        column, kind = rows.select_columns([field_of(source)]), ""
     ranges = [(start, min(start + CHUNK_ROWS, len(rows))) for start in range(0, len(rows), CHUNK_ROWS)]
     if workers <= 1 or len(ranges) <= 1:
         for start, stop in ranges:
-            yield encode_chunk(column[start:stop][field_of(source)], tokenizer, source, max_length)
+            yield _encode(column[start:stop], tokenizer, source, max_length, kind)
         return
     with _pool_context().Pool(
-        workers, initializer=_start_worker, initargs=(column, tokenizer, source, max_length)
+        workers, initializer=_start_worker, initargs=(column, tokenizer, source, max_length, kind)
     ) as pool:
         yield from pool.imap(_encode_range, ranges)
+
+
+def _encode(
+    values: dict[str, list[Any]], tokenizer: Any, source: DatasetSource, max_length: int, kind: str
+) -> EncodedChunk | preference.EncodedPairs:
+    if source.format == "preference":
+        return preference.encode_pairs(values, tokenizer, source, max_length, kind=kind)
+    return encode_chunk(values[field_of(source)], tokenizer, source, max_length)
 
 
 def _pool_context() -> Any:
@@ -230,17 +315,16 @@ def _pool_context() -> Any:
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(column: Any, tokenizer: Any, source: DatasetSource, max_length: int) -> None:
+def _start_worker(column: Any, tokenizer: Any, source: DatasetSource, max_length: int, kind: str) -> None:
     # One tokenizer thread a worker: the workers are the parallelism (as many as cores).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(column=column, tokenizer=tokenizer, source=source, max_length=max_length)
+    _WORKER.update(column=column, tokenizer=tokenizer, source=source, max_length=max_length, kind=kind)
 
 
-def _encode_range(bounds: tuple[int, int]) -> EncodedChunk:
+def _encode_range(bounds: tuple[int, int]) -> EncodedChunk | preference.EncodedPairs:
     start, stop = bounds
-    source: DatasetSource = _WORKER["source"]
-    values = _WORKER["column"][start:stop][field_of(source)]
-    return encode_chunk(values, _WORKER["tokenizer"], source, _WORKER["max_length"])
+    values = _WORKER["column"][start:stop]
+    return _encode(values, _WORKER["tokenizer"], _WORKER["source"], _WORKER["max_length"], _WORKER["kind"])
 
 
 def default_workers(limit: int = 16) -> int:

@@ -9,6 +9,7 @@ A run's output holds one directory per prepared dataset, named by its fingerprin
         train/row_members.bin   int64   the documents of every row, row after row (packing.best_fit)
         train/row_starts.bin    int64   row r is row_members[row_starts[r]:row_starts[r + 1]]
         eval/...                        the same for the evaluation rows, when there are any
+        (preference pairs: their own files, data/preference.py)
         manifest.json           what it holds (figures, settings, the tokenizer's pad id, timings)
         .tpuft-complete         written last: a directory without it is a cut-off prepare, never read
 
@@ -70,6 +71,11 @@ def fingerprint(config: TrainerConfig, tokenizer: Any) -> str:
         "tokenizer": tokenizer_identity(tokenizer),
         "dataset": dataset_identity(config.dataset),
     }
+    if config.dataset.format == "preference":
+        from tpuft_trainer import compat
+
+        # The pairs are tokenised as this trl's DPOTrainer tokenises them (data/preference.py).
+        identity["pairs"] = compat.PREPARED_PAIRS_TOKENISATION
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -142,13 +148,16 @@ def _file_facts(entries: dict[str, Any]) -> list[list[Any]]:
 # ---- writing --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SplitFigures:
-    """What one split of a prepared dataset holds."""
+    """What one split of a prepared dataset holds. Of preference pairs (data/preference.py): documents
+    are the pairs read, rows the pairs kept (each two sequences of max_seq_length), dropped those whose
+    prompt alone fills it, loss tokens the completions' tokens within it."""
 
     documents: int  # rows of the source read
     dropped: int  # documents without a token to learn within max_seq_length
     tokens: int  # tokens of the kept documents
     loss_tokens: int  # tokens that count in the loss
     rows: int  # rows of max_seq_length
+    truncated: int = 0  # preference pairs that trl's collator cuts to max_seq_length
 
 
 class SplitWriter:
@@ -210,9 +219,12 @@ class Manifest:
     splits: dict[str, SplitFigures]
     seconds: float  # the prepare's wall time
     workers: int
+    # Preference pairs (data/preference.py), each row two sequences; else rows of SFT.
+    pairs: bool = False
 
     def positions(self, split: str = TRAIN) -> int:
-        return self.splits[split].rows * self.max_length if split in self.splits else 0
+        sequences = 2 if self.pairs else 1
+        return sequences * self.splits[split].rows * self.max_length if split in self.splits else 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -316,7 +328,7 @@ class PreparedRows:
     def columns(self) -> dict[str, np.ndarray]:
         if self._columns is None:
             self._columns = {
-                name: _memmap(self.directory / f"{name}.bin", dtype) for name, dtype in COLUMNS.items()
+                name: memmap(self.directory / f"{name}.bin", dtype) for name, dtype in COLUMNS.items()
             }
         return self._columns
 
@@ -350,7 +362,7 @@ class PreparedRows:
         return row
 
 
-def _memmap(path: Path, dtype: Any) -> np.ndarray:
+def memmap(path: Path, dtype: Any) -> np.ndarray:
     if path.stat().st_size == 0:  # numpy cannot map an empty file
         return np.empty(0, dtype=dtype)
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
