@@ -18,7 +18,13 @@ import pytest
 import yaml
 
 from tpuft_dev.cluster import executor as executor_module
-from tpuft_dev.cluster.executor import LocalExecutor, PodSpecError, native_python, pod_backend
+from tpuft_dev.cluster.executor import (
+    LocalExecutor,
+    PodSpecError,
+    native_python,
+    pod_backend,
+    tpu_webhook_env,
+)
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_trainer.pod_contract import TRAINER_CONFIG_ANNOTATION
 
@@ -30,7 +36,10 @@ def pod(
 ) -> dict[str, Any]:
     config = {"model": {"name": "m"}} | ({"backend": backend} if backend else {})
     labels = {"jobset.sigs.k8s.io/jobset-name": jobset} if jobset else {}
+    if jobset:
+        labels["batch.kubernetes.io/job-name"] = f"{jobset}-slice-0"
     return {
+        "spec": {"subdomain": jobset} if jobset else {},
         "metadata": {
             "name": name,
             "namespace": "ns",
@@ -39,7 +48,7 @@ def pod(
                 TRAINER_CONFIG_ANNOTATION: yaml.safe_dump(config),
                 "jobset.sigs.k8s.io/restart-attempt": attempt,
             },
-        }
+        },
     }
 
 
@@ -70,16 +79,27 @@ def test_the_hosts_of_one_attempt_meet_on_one_loopback_port_and_no_one_else_does
     assert executor.native_rendezvous(pod("run-abc-prepare-x", backend="native", jobset=None), {}) == {}
 
 
+def test_a_host_of_a_native_job_gets_what_gkes_tpu_webhook_would_set() -> None:
+    """TPU_WORKER_ID and TPU_WORKER_HOSTNAMES (the trainer counts the hosts before it launches), from
+    the pod's completion index, its Job and subdomain, and the NNODES the renderer set."""
+    host = pod("run-abc-slice-0-1", backend="native")
+    env = {"JOB_COMPLETION_INDEX": "1", "NNODES": "2"}
+    assert tpu_webhook_env(host, env) == {
+        "TPU_WORKER_ID": "1",
+        "TPU_WORKER_HOSTNAMES": "run-abc-slice-0-0.run-abc,run-abc-slice-0-1.run-abc",
+    }
+    executor = LocalExecutor(cast(LocalCluster, None), "ns", Path("/nonexistent"))
+    rewritten = executor.native_rendezvous(host, {**env, "MASTER_ADDR": FIRST_HOST})
+    assert rewritten["TPU_WORKER_HOSTNAMES"].split(",")[0] == FIRST_HOST
+    # On a real node GKE set them already; a pod that is no Indexed Job's host gets none.
+    assert tpu_webhook_env(host, {**env, "TPU_WORKER_HOSTNAMES": "a,b"}) == {}
+    assert tpu_webhook_env(host, {"NNODES": "2"}) == {}
+
+
 def test_a_missing_native_venv_says_how_to_make_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TPUFT_CACHE", str(tmp_path))  # scripts/venv.sh's cache: empty here
     with pytest.raises(PodSpecError, match=r"run `scripts/venv\.sh native`"):
         native_python()
-
-
-def test_the_native_venv_is_found_when_it_is_there() -> None:
-    python = Path(native_python())
-    assert python.name == "python" and python.parent.name == "bin"
-    assert (python.parents[1] / ".complete").is_file()
 
 
 def test_a_killed_pod_takes_its_child_processes_with_it(tmp_path: Path) -> None:

@@ -25,8 +25,9 @@ Images are ignored: the host's Python environment is the image. Except for the t
 itself branches on, in the prepare pod as in the TPU pods): a `backend: native` pod's `tpuft` runs in the
 native venv (`scripts/venv.sh native`: torch 2.15, no torch_xla), as the native image would. Its
 torch.distributed rendezvous address, the first pod's cluster DNS name, does not resolve here: it becomes
-127.0.0.1, with a free port per JobSet and restart attempt, which every host of that attempt agrees on
-(see `native_rendezvous`).
+127.0.0.1, with a free port per JobSet and restart attempt, which every host of that attempt agrees on,
+and a native pod of several hosts gets the TPU_WORKER_ID and TPU_WORKER_HOSTNAMES GKE's TPU webhook would
+set (see `native_rendezvous`).
 
 Limits, by design: hostPath volumes must be mounted at their own path (no chroot here); xla pods of a
 multi-host shape are not joined up (PJRT's CPU client here is one process's: the executor runs
@@ -59,8 +60,12 @@ from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.topology import TPU_RESOURCE
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
+    JOB_COMPLETION_INDEX_ENV,
     MASTER_ADDR_ENV,
     MASTER_PORT_ENV,
+    NNODES_ENV,
+    TPU_WORKER_HOSTNAMES_ENV,
+    TPU_WORKER_ID_ENV,
     TRAINER_CONFIG_ANNOTATION,
 )
 
@@ -73,6 +78,7 @@ REPO = Path(__file__).resolve().parents[3]
 # The labels and annotation JobSet puts on its pods: which JobSet, and which restart of it.
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # the Job controller's, on each pod of a Job
 LOOPBACK = "127.0.0.1"
 
 
@@ -124,6 +130,23 @@ def native_python() -> str:
             "venv-native) to run backend native pods on this host"
         )
     return str(Path(path) / "bin" / "python")
+
+
+def tpu_webhook_env(pod: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    """What GKE's TPU webhook sets on the pods of an Indexed Job with a subdomain, and kwok does not:
+    TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (every host's stable name, in
+    completion-index order), which the trainer counts against the job's hosts before it will launch
+    (world.detect_world). The hosts' count is the NNODES the renderer sets on native pods (one slice).
+    Given only to native pods: their processes meet at MASTER_ADDR, rewritten to this host; an xla pod
+    of several hosts would start as an independent copy here, and is better refused by that check."""
+    index = env.get(JOB_COMPLETION_INDEX_ENV)
+    hosts = env.get(NNODES_ENV)
+    job = (pod["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
+    subdomain = pod["spec"].get("subdomain")
+    if TPU_WORKER_HOSTNAMES_ENV in env or None in (index, hosts, job, subdomain):
+        return {}  # set already (a real node), or not a pod the webhook would touch
+    names = [f"{job}-{i}.{subdomain}" for i in range(int(str(hosts)))]
+    return {TPU_WORKER_ID_ENV: str(index), TPU_WORKER_HOSTNAMES_ENV: ",".join(names)}
 
 
 def free_port() -> int:
@@ -458,6 +481,7 @@ class LocalExecutor:
         rewritten = {MASTER_ADDR_ENV: LOOPBACK, MASTER_PORT_ENV: str(self._rendezvous_ports[key])}
         if COORDINATOR_ADDRESS_ENV in env:
             rewritten[COORDINATOR_ADDRESS_ENV] = LOOPBACK
+        rewritten.update(tpu_webhook_env(pod, env))
         return rewritten
 
     def _report_exit(self, name: str, code: int, message: str = "") -> None:
