@@ -46,7 +46,7 @@ test-unit: venv
 test-trainer: venv venv-native
 	@$(PY) -m pytest tests/trainer
 
-test-cluster: venv binaries
+test-cluster: venv venv-native binaries  # tests/e2e/test_native_run.py runs native pods
 	@$(PY) -m pytest tests/cluster tests/e2e
 
 crd: venv

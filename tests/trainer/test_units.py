@@ -368,6 +368,48 @@ def test_a_started_run_ends_with_its_code_and_without_the_interpreters_teardown(
     assert ended == [code] and result.exit_code == code, result.output
 
 
+@pytest.mark.parametrize(
+    ("error", "code", "kind"),
+    [
+        (WorldError("this job has 2 hosts but MASTER_ADDR is unset"), 1, "infrastructure"),
+        (ConfigError("bad mesh"), 64, "CONFIG_ERROR"),
+    ],
+)
+def test_a_native_launch_that_fails_exits_with_its_code_and_says_why(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: Exception,
+    code: int,
+    kind: str,
+) -> None:
+    """The native launcher's own failures (before any worker): exit 1, a WorldError's, is no ExitCode
+    member and once crashed the log call with a ValueError instead of saying why."""
+    from tpuft_trainer.native import launcher
+
+    def launch(config: TrainerConfig, config_path: Path, env: Any = None) -> int:
+        raise error
+
+    ended: list[int] = []
+
+    def exit_now(code: int) -> None:
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    for marker in (*launcher.WORKER_MARKERS, "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(marker, raising=False)  # this process is the launcher, not a worker
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "backend: native\nmodel: {name: m}\ndataset: {name: d.jsonl}\ntraining: {max_steps: 3}\n"
+        "output: {uri: /tmp/o}\n"
+    )
+    result = CliRunner().invoke(cli.train, ["--config", str(config)])
+    assert ended == [code] and result.exit_code == code, result.output
+    assert f"launch failed ({kind}, exit {code}): {error}" in caplog.text
+
+
 def test_config_round_trip_with_added_fields() -> None:
     text = """
 model: {name: m}

@@ -141,8 +141,18 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             "spec.tpu.slices",
             cel.NATIVE_MULTISLICE_MESSAGE,
         ),
+        (
+            {"training": {"maxSteps": 10, "method": "lora"}},
+            "spec.training.method",
+            cel.NATIVE_LORA_MESSAGE,
+        ),
+        (
+            {"fsdp": {"mesh": {"tensor": 2}}},
+            "spec.fsdp.mesh.tensor",
+            cel.NATIVE_TENSOR_MESSAGE,
+        ),
     ],
-    ids=["xla-on-tpu7x", "native-dpo", "native-multislice"],
+    ids=["xla-on-tpu7x", "native-dpo", "native-multislice", "native-lora", "native-tensor"],
 )
 def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -156,6 +166,10 @@ def test_the_messages_say_why_and_what_to_do_instead() -> None:
     assert "objective dpo runs on backend xla only for now" in cel.NATIVE_DPO_MESSAGE
     assert "set backend: xla" in cel.NATIVE_DPO_MESSAGE
     assert "MEGASCALE_" in cel.NATIVE_MULTISLICE_MESSAGE and "slices: 1" in cel.NATIVE_MULTISLICE_MESSAGE
+    assert "method lora runs on backend xla only for now" in cel.NATIVE_LORA_MESSAGE
+    assert "set backend: xla, or method: full" in cel.NATIVE_LORA_MESSAGE
+    assert "tensor > 1 runs on backend xla only for now" in cel.NATIVE_TENSOR_MESSAGE
+    assert "set backend: xla, or tensor: 1" in cel.NATIVE_TENSOR_MESSAGE
     # Ironwood on native is accepted (one slice), with the native caveat.
     assert render_run(run_of(tpu={"type": "tpu7x", "topology": "2x2x2"})).trainer_stack_caveat
 
@@ -183,3 +197,15 @@ def test_tpuft_plan_names_the_backend_and_counts_one_process_per_chip() -> None:
     )
     assert "12 GiB x 4 processes (one per chip)" in native_text and "assumed, not measured" in native_text
     assert "backend     xla: PyTorch/XLA SPMD (torch_xla 2.9.0), one process per host" in xla_text
+
+
+def test_the_memory_advice_never_suggests_what_native_refuses() -> None:
+    """A run that does not fit is told what lowers its peak (host RAM, HBM): never LoRA on native,
+    which refuses it (the advice would only trade one refusal for another)."""
+    model = planning.KNOWN_MODELS["Qwen/Qwen2.5-0.5B"]
+    for backend, offered in (("xla", True), ("native", False)):
+        ft = parse(run_of(backend=backend), check_host_ram=False)
+        assert ("training.method: lora" in planning.host_suggestions(ft.spec)) is offered, backend
+        levers = planning.weight_levers(planning.plan(ft, model), ft)
+        assert ("use training.method: lora" in levers) is offered, backend
+        assert "use a larger topology (more hosts share the state)" in planning.host_suggestions(ft.spec)

@@ -89,21 +89,25 @@ def test_cel_and_python_agree_on_every_shape() -> None:
 
 
 def test_cel_and_python_agree_on_every_backend_refusal() -> None:
-    """spec.backend's rules (xla refused on tpu7x, native refuses DPO and multislice): the same verdict,
-    and the same field, from the apiserver's CEL and from validation, over every combination."""
+    """spec.backend's rules (xla refused on tpu7x; native refuses DPO, multislice, LoRA and a tensor
+    axis): the same verdict, and the same field, from the apiserver's CEL and from validation, over
+    every combination."""
     cases = []
-    for backend, tpu_type, objective, slices in itertools.product(
-        (None, "xla", "native"), ("v5p", "tpu7x"), ("sft", "dpo"), (1, 2)
+    for backend, tpu_type, objective, slices, method, tensor in itertools.product(
+        (None, "xla", "native"), ("v5p", "tpu7x"), ("sft", "dpo"), (1, 2), ("full", "lora"), (None, 1, 2)
     ):
         obj = copy.deepcopy(BASE)
         spec = obj["spec"]
         spec["tpu"] = {"type": tpu_type, "topology": "2x2x2", "slices": slices}
         if backend is not None:
             spec["backend"] = backend
+        spec["training"] = {"maxSteps": 10, "method": method}
         if objective == "dpo":
-            spec["training"] = {"maxSteps": 10, "objective": "dpo"}
+            spec["training"]["objective"] = "dpo"
             spec["dataset"] = {"name": "org/pairs", "format": "preference"}
-        cases.append({"name": f"{backend}/{tpu_type}/{objective}/{slices}", "object": obj})
+        if tensor is not None:
+            spec["fsdp"] = {"mesh": {"tensor": tensor}}
+        cases.append({"name": f"{backend}/{tpu_type}/{objective}/{slices}/{method}/{tensor}", "object": obj})
     results = crdcheck.admit(CRD_FILE, cases)
     seen: set[str] = set()
     for case in cases:
@@ -117,5 +121,12 @@ def test_cel_and_python_agree_on_every_backend_refusal() -> None:
                 error,
                 cel,
             )
+        assert len(cel) == len(errors), (case["name"], cel, fields)  # and no refusal of its own
         seen.update(fields)
-    assert seen == {"spec.backend", "spec.training.objective", "spec.tpu.slices"}
+    assert seen == {
+        "spec.backend",
+        "spec.training.objective",
+        "spec.tpu.slices",
+        "spec.training.method",
+        "spec.fsdp.mesh.tensor",
+    }

@@ -105,10 +105,12 @@ def _train_native(config: TrainerConfig, config_path: Path) -> NoReturn:
         try:
             code = launcher.launch(config, config_path)
         except TrainerError as error:
-            log.error(
-                "launch failed (%s, exit %d): %s", ExitCode(error.exit_code).name, error.exit_code, error
-            )
             code = int(error.exit_code)
+            try:
+                kind = ExitCode(code).name
+            except ValueError:  # exit 1 (a WorldError: the hosts cannot meet) is the infrastructure's
+                kind = "infrastructure"
+            log.error("launch failed (%s, exit %d): %s", kind, code, error)
         end(code)
     from tpuft_trainer.native.loop import run
 

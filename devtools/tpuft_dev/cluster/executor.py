@@ -16,18 +16,34 @@ Deletion is a kubelet's too (suspend, a drain, a JobSet restart): the process ge
 after the pod's grace period, its exit code is reported, and only then is the pod deleted (kwok's
 own pod-delete stage is switched off for these pods, see `run_on_host_annotations`).
 
-Limits, by design: hostPath volumes must be mounted at their own path (no chroot here); images are
-ignored (the host's Python environment is the image).
+Each pod's processes form one process group, killed whole when the container stops (a container's
+cgroup): a native pod's `tpuft train` is a launcher with one worker process per chip, and SIGKILL of the
+launcher alone would orphan them. SIGTERM goes to the first process only, as a kubelet sends it.
+
+Images are ignored: the host's Python environment is the image. Except for the trainer's backend (the
+`backend:` of the trainer config the pod mounts, pod_contract.TRAINER_CONFIG_ANNOTATION: what `tpuft`
+itself branches on, in the prepare pod as in the TPU pods): a `backend: native` pod's `tpuft` runs in the
+native venv (`scripts/venv.sh native`: torch 2.15, no torch_xla), as the native image would. Its
+torch.distributed rendezvous address, the first pod's cluster DNS name, does not resolve here: it becomes
+127.0.0.1, with a free port per JobSet and restart attempt, which every host of that attempt agrees on,
+and a native pod of several hosts gets the TPU_WORKER_ID and TPU_WORKER_HOSTNAMES GKE's TPU webhook would
+set (see `native_rendezvous`).
+
+Limits, by design: hostPath volumes must be mounted at their own path (no chroot here); xla pods of a
+multi-host shape are not joined up (PJRT's CPU client here is one process's: the executor runs
+single-host xla shapes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,15 +53,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tpuft_dev.cluster.kwok import hold_running
 from tpuft_dev.cluster.local import LocalCluster
 from tpuft_operator.topology import TPU_RESOURCE
+from tpuft_trainer.pod_contract import (
+    COORDINATOR_ADDRESS_ENV,
+    JOB_COMPLETION_INDEX_ENV,
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    NNODES_ENV,
+    TPU_WORKER_HOSTNAMES_ENV,
+    TPU_WORKER_ID_ENV,
+    TRAINER_CONFIG_ANNOTATION,
+)
 
 RUN_ON_HOST_ANNOTATION = "tpuft.dev/run-on-host"
 # A kubelet keeps at most this much of a termination message (the API's limit).
 TERMINATION_MESSAGE_LIMIT = 4096
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 log = logging.getLogger("tpuft.executor")
+REPO = Path(__file__).resolve().parents[3]
+# The labels and annotation JobSet puts on its pods: which JobSet, and which restart of it.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # the Job controller's, on each pod of a Job
+LOOPBACK = "127.0.0.1"
 
 
 # kwok's upstream pod-delete stage reads its weight from this annotation; 0 leaves deletion to us.
@@ -67,6 +101,58 @@ def _write_atomically(path: Path, text: str) -> None:
 
 class PodSpecError(RuntimeError):
     """The pod uses something the executor cannot reproduce on the host."""
+
+
+def pod_backend(pod: dict[str, Any]) -> str:
+    """The trainer backend a pod runs: the `backend:` of the trainer config it mounts (the annotation
+    both the prepare pod and the TPU pods carry), `xla` when it has none. This, not the image (a spec's
+    own image, an operator's image settings) nor the native environment variables (the prepare pod has
+    none), is what `tpuft prepare` and `tpuft train` themselves read."""
+    text = (pod["metadata"].get("annotations") or {}).get(TRAINER_CONFIG_ANNOTATION)
+    if not text:
+        return "xla"
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise PodSpecError(f"its {TRAINER_CONFIG_ANNOTATION} annotation is not YAML: {error}") from error
+    backend = config.get("backend", "xla") if isinstance(config, dict) else "xla"
+    return str(backend)
+
+
+def native_python() -> str:
+    """The interpreter of the native backend's venv (what the native image's `tpuft` runs in)."""
+    path = subprocess.run(
+        [str(REPO / "scripts" / "venv.sh"), "native", "--path"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if not (Path(path) / ".complete").is_file():
+        raise PodSpecError(
+            f"the native backend's venv is missing at {path}: run `scripts/venv.sh native` (or make "
+            "venv-native) to run backend native pods on this host"
+        )
+    return str(Path(path) / "bin" / "python")
+
+
+def tpu_webhook_env(pod: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    """What GKE's TPU webhook sets on the pods of an Indexed Job with a subdomain, and kwok does not:
+    TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (every host's stable name, in
+    completion-index order), which the trainer counts against the job's hosts before it will launch
+    (world.detect_world). The hosts' count is the NNODES the renderer sets on native pods (one slice).
+    Given only to native pods: their processes meet at MASTER_ADDR, rewritten to this host; an xla pod
+    of several hosts would start as an independent copy here, and is better refused by that check."""
+    index = env.get(JOB_COMPLETION_INDEX_ENV)
+    hosts = env.get(NNODES_ENV)
+    job = (pod["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
+    subdomain = pod["spec"].get("subdomain")
+    if TPU_WORKER_HOSTNAMES_ENV in env or None in (index, hosts, job, subdomain):
+        return {}  # set already (a real node), or not a pod the webhook would touch
+    names = [f"{job}-{i}.{subdomain}" for i in range(int(str(hosts)))]
+    return {TPU_WORKER_ID_ENV: str(index), TPU_WORKER_HOSTNAMES_ENV: ",".join(names)}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
 
 
 _FIELD_PATH = re.compile(r"^metadata\.(annotations|labels)\['([^']+)'\]$")
@@ -119,6 +205,8 @@ class LocalExecutor:
     poll_seconds: float = 1.0
     extra_env: dict[str, str] = field(default_factory=dict)
     _running: dict[str, HostProcess] = field(default_factory=dict)
+    # (namespace, JobSet, restart attempt) -> the rendezvous port its native pods meet on here.
+    _rendezvous_ports: dict[tuple[str, str, str], int] = field(default_factory=dict)
     _done: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -136,10 +224,9 @@ class LocalExecutor:
         for host in self._running.values():
             if host.process.poll() is None:
                 host.process.terminate()
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     host.process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    host.process.kill()
+            _kill_group(host.process)
             shutil.rmtree(host.workdir, ignore_errors=True)
 
     def _loop(self) -> None:
@@ -172,6 +259,7 @@ class LocalExecutor:
                 self._refresh_downward(host, pod)
             code = host.process.poll()
             if code is not None:
+                _kill_group(host.process)  # the container stopped: whatever it left running goes too
                 if pod is not None:
                     self._report_exit(name, code, host.termination_message())
                     if pod["metadata"].get("deletionTimestamp"):
@@ -197,7 +285,7 @@ class LocalExecutor:
             log.info("pod %s is being deleted: SIGTERM, %.0f s grace", host.pod, host.grace_seconds)
         elif now - host.terminating_since > host.grace_seconds:
             log.warning("pod %s did not stop within %.0f s: SIGKILL", host.pod, host.grace_seconds)
-            host.process.kill()
+            _kill_group(host.process)
 
     def _finish_deletion(self, name: str) -> None:
         """The kubelet's last word on a deleted pod whose containers have stopped."""
@@ -240,19 +328,26 @@ class LocalExecutor:
                 self._rewrite(arg, mounts)
                 for arg in [*container.get("command", []), *container.get("args", [])]
             ]
+            native = pod_backend(pod) == "native"
             if argv and argv[0] == "tpuft":
-                # The image's entry point is this environment's tpuft, whatever PATH says.
-                argv[:1] = [sys.executable, "-m", "tpuft_operator"]
+                # The image's entry point is this environment's tpuft, whatever PATH says; the native
+                # image's is the native venv's.
+                argv[:1] = [native_python() if native else sys.executable, "-m", "tpuft_operator"]
             env = self._environment(pod, container, workdir)
+            if native:
+                env.update(self.native_rendezvous(pod, env))
         except PodSpecError as error:
             log.error("cannot run pod %s on the host: %s", name, error)
-            self._report_exit(name, 127)
+            self._report_exit(name, 127, f"the local executor cannot run this pod: {error}")
             self._done.add(name)
             return
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("ab") as out:
             try:
-                process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+                # A session of its own: the pod's processes are one group, stopped together (_kill_group).
+                process = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True
+                )
             except OSError as error:  # what a kubelet reports as a failed container start
                 log.error("cannot start pod %s: %s", name, error)
                 self._report_exit(name, 127)
@@ -366,6 +461,29 @@ class LocalExecutor:
         env.update(self.extra_env)
         return env
 
+    def native_rendezvous(self, pod: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+        """A native pod's rendezvous, made to work on this host: MASTER_ADDR (the first pod's cluster
+        DNS name) becomes 127.0.0.1, and MASTER_PORT a free port shared by every pod of the same JobSet
+        and restart attempt (one per attempt: a restarted group never meets a port the previous one
+        may still hold), so concurrent runs never meet each other. TPUFT_COORDINATOR_ADDRESS (the same
+        DNS name) is pointed here too, though the native trainer's stop channel rides its own
+        torch.distributed group and does not dial it."""
+        if MASTER_ADDR_ENV not in env:  # the prepare pod: one process, no rendezvous
+            return {}
+        metadata = pod["metadata"]
+        key = (
+            metadata["namespace"],
+            (metadata.get("labels") or {}).get(JOBSET_NAME_LABEL, metadata["name"]),
+            (metadata.get("annotations") or {}).get(RESTART_ATTEMPT_ANNOTATION, "0"),
+        )
+        if key not in self._rendezvous_ports:
+            self._rendezvous_ports[key] = free_port()
+        rewritten = {MASTER_ADDR_ENV: LOOPBACK, MASTER_PORT_ENV: str(self._rendezvous_ports[key])}
+        if COORDINATOR_ADDRESS_ENV in env:
+            rewritten[COORDINATOR_ADDRESS_ENV] = LOOPBACK
+        rewritten.update(tpu_webhook_env(pod, env))
+        return rewritten
+
     def _report_exit(self, name: str, code: int, message: str = "") -> None:
         """What a kubelet reports when the container exits (``message``: its termination message)."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -415,9 +533,16 @@ class LocalExecutor:
         hit = []
         for name, host in self._running.items():
             if host.process.poll() is None:
-                host.process.kill()
+                _kill_group(host.process)
                 hit.append(name)
         return hit
 
     def logs(self) -> dict[str, Path]:
         return {name: host.log_path for name, host in self._running.items()}
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to every process of a pod (its own session: start_new_session), as a container's
+    cgroup is killed: a native launcher's workers die with it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+        os.killpg(process.pid, signal.SIGKILL)

@@ -36,7 +36,9 @@ from tpuft_operator.api.cel import (
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
     NATIVE_DPO_MESSAGE,
+    NATIVE_LORA_MESSAGE,
     NATIVE_MULTISLICE_MESSAGE,
+    NATIVE_TENSOR_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
@@ -354,6 +356,10 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.training.objective", NATIVE_DPO_MESSAGE))
     if spec.backend == "native" and spec.tpu.slices > 1:
         errors.append(FieldError("spec.tpu.slices", NATIVE_MULTISLICE_MESSAGE))
+    if spec.backend == "native" and training.method == "lora":
+        errors.append(FieldError("spec.training.method", NATIVE_LORA_MESSAGE))
+    if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:
+        errors.append(FieldError("spec.fsdp.mesh.tensor", NATIVE_TENSOR_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:
         errors.append(FieldError("spec.training.warmupSteps", WARMUP_MESSAGE))
     elif (
