@@ -305,7 +305,11 @@ def _unreadable_index(checkpoint: Path, writer: dict[str, Any] | None) -> None:
     [
         {"backend": "native", "torch": "2.15.0", "format": 1},  # another torch (the native image's)
         {"backend": "xla", "torch": torch.__version__, "format": 1},  # another backend
-        {"backend": "native", "torch": torch.__version__, "format": layout.FORMAT_VERSION + 1},  # newer layout
+        {
+            "backend": "native",
+            "torch": torch.__version__,
+            "format": layout.FORMAT_VERSION + 1,
+        },  # newer layout
     ],
 )
 def test_an_index_only_its_writer_reads_is_refused_not_skipped_nor_cleared(
@@ -319,7 +323,9 @@ def test_an_index_only_its_writer_reads_is_refused_not_skipped_nor_cleared(
         agree_on_resume_point(store, TorchBackend())
     message = str(refused.value)
     assert refused.value.exit_code == ExitCode.CONFIG_ERROR
-    assert f"checkpoint-4 at {tmp_path}/checkpoint-4 was written by the {foreign['backend']} backend" in message
+    assert (
+        f"checkpoint-4 at {tmp_path}/checkpoint-4 was written by the {foreign['backend']} backend" in message
+    )
     assert f"torch {foreign['torch']}" in message and f"(native backend, torch {torch.__version__}" in message
     assert "cannot read it: its .metadata cannot be read (" in message
     assert f"spec.backend: {foreign['backend']}" in message and "spec.output.uri" in message
@@ -342,7 +348,9 @@ def test_an_unreadable_index_of_this_code_or_of_an_earlier_tpuft_is_skipped_as_b
     assert agreed.point.checkpoint is not None and agreed.point.checkpoint.name == "checkpoint-2"
     assert agreed.point.skipped[0].problem is not None
     assert agreed.point.skipped[0].problem.startswith("its .metadata cannot be read (")
-    assert agreed.cleared == ["unmarked checkpoint-4: it is not whole, and a new save of step 4 will replace it"]
+    assert agreed.cleared == [
+        "unmarked checkpoint-4: it is not whole, and a new save of step 4 will replace it"
+    ]
 
 
 def test_the_full_file_format_of_earlier_versions_is_recognised(tmp_path: Path) -> None:
