@@ -11,8 +11,11 @@ global batch of 8 rows (per-device batch x processes), a checkpoint every 2 step
 - checkpoints cross backends: a native one resumed by xla (torch 2.9 reading torch 2.15's index through
   compat.read_dcp_index), and that xla run's checkpoint resumed by native.
 
-Three chains of runs on the session pool, shared between the assertions (launches, not steps, are what
-costs here: each process imports torch and transformers)."""
+Two chains of runs on the session pool (2 workers), shared between the assertions: launches, not
+steps, are what costs here (each process imports torch and transformers), so every run serves several
+tests. No separate 1-process run from scratch (the 2 -> 1 run is the 1-process side of 2 vs 1) and no
+SIGKILL scenario (kill-and-resume from a periodic checkpoint is covered on xla, test_train_cli.py;
+the launcher's code for a worker killed by a signal in test_units.py; native resume by the stop's)."""
 
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ TIMEOUT = 600
 STEPS = 6
 TRAINING = {"max_steps": STEPS, "save_steps": 2}
 # Across backends the same steps on the same rows are not bit-equal (XLA's CPU kernels and torch's
-# differ). Measured: native -> xla at most 2.4e-7 from the native run over steps 3-6 (3 runs), xla ->
-# native at most 2.4e-7 from the xla run over steps 5-6 (2 runs); a resume at a wrong step is off by
+# differ). Measured: native -> xla at most 2.4e-7 from the native run over steps 3-6 (4 runs), xla ->
+# native at most 2.4e-7 from the xla run over steps 5-6 (3 runs); a resume at a wrong step is off by
 # more than 0.2 (consecutive steps' losses differ by 0.2-0.8). The margin is for other CPUs' kernels.
 ACROSS_BACKENDS = 1e-5
 
