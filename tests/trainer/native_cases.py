@@ -1,6 +1,7 @@
 """Cases run in the native venv under torchrun (tests/trainer/test_native.py): ``meta_load`` builds the
 model as the native loop does (meta device, fully_shard, a sliced load from safetensors) on every
-process and compares its logits with ``from_pretrained``'s on rank 0."""
+process and compares its logits with ``from_pretrained``'s on rank 0; it also reports whether the
+native entry point imported torch_xla (it must not: the native image has none)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from pathlib import Path
 
 
 def meta_load(model_dir: str, out: str) -> None:
+    import importlib.util
+
+    import tpuft_trainer.cli
+    import tpuft_trainer.native.launcher
+    import tpuft_trainer.native.loop  # noqa: F401  (what a worker imports)
+
+    entry_point = {
+        "torch_xla_installed": importlib.util.find_spec("torch_xla") is not None,
+        "torch_xla_imported": "torch_xla" in sys.modules,
+    }
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -48,6 +59,8 @@ def meta_load(model_dir: str, out: str) -> None:
                     "wrapped_layers": built.wrapped_layers,
                     "not_sharded": not_sharded,
                     "world_size": rt.world_size,
+                    "torch": torch.__version__,
+                    **entry_point,
                 }
             )
         )

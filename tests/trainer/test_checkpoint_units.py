@@ -285,6 +285,74 @@ def test_a_cut_off_save_is_skipped_and_removed_before_saving_again(tmp_path: Pat
     assert not (tmp_path / "checkpoint-4").exists()
 
 
+def test_every_checkpoint_says_who_wrote_it(tmp_path: Path) -> None:
+    saved_steps(tmp_path, [2])
+    written = json.loads((tmp_path / "checkpoint-2" / layout.WRITER).read_text())
+    assert written == {"backend": "native", "torch": torch.__version__, "format": layout.FORMAT_VERSION}
+
+
+def _unreadable_index(checkpoint: Path, writer: dict[str, Any] | None) -> None:
+    """An index this process cannot parse (as torch 2.9 could not parse torch 2.15's), and a writer file."""
+    (checkpoint / layout.DCP_METADATA).write_bytes(b"\x80\x04not an index this torch reads")
+    if writer is None:
+        (checkpoint / layout.WRITER).unlink()
+    else:
+        (checkpoint / layout.WRITER).write_text(json.dumps(writer))
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        {"backend": "native", "torch": "2.15.0", "format": 1},  # another torch (the native image's)
+        {"backend": "xla", "torch": torch.__version__, "format": 1},  # another backend
+        {
+            "backend": "native",
+            "torch": torch.__version__,
+            "format": layout.FORMAT_VERSION + 1,
+        },  # newer layout
+    ],
+)
+def test_an_index_only_its_writer_reads_is_refused_not_skipped_nor_cleared(
+    tmp_path: Path, foreign: dict[str, Any]
+) -> None:
+    """Skipping it would resume from checkpoint-2 and clear checkpoint-4 (the newest work): data loss."""
+    saved_steps(tmp_path, [2, 4])
+    _unreadable_index(tmp_path / "checkpoint-4", foreign)
+    store = layout.Store(str(tmp_path))
+    with pytest.raises(ConfigError) as refused:
+        agree_on_resume_point(store, TorchBackend())
+    message = str(refused.value)
+    assert refused.value.exit_code == ExitCode.CONFIG_ERROR
+    assert (
+        f"checkpoint-4 at {tmp_path}/checkpoint-4 was written by the {foreign['backend']} backend" in message
+    )
+    assert f"torch {foreign['torch']}" in message and f"(native backend, torch {torch.__version__}" in message
+    assert "cannot read it: its .metadata cannot be read (" in message
+    assert f"spec.backend: {foreign['backend']}" in message and "spec.output.uri" in message
+    assert (tmp_path / "checkpoint-4" / layout.COMPLETE).exists()  # not unmarked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+
+
+@pytest.mark.parametrize("writer", ["same", "none", "unreadable"])
+def test_an_unreadable_index_of_this_code_or_of_an_earlier_tpuft_is_skipped_as_before(
+    tmp_path: Path, writer: str
+) -> None:
+    """Written by this very backend and torch (so really damaged), without a writer file (a checkpoint
+    of an earlier tpuft) or with one that says nothing: skipped, and unmarked before training resumes."""
+    saved_steps(tmp_path, [2, 4])
+    this = {"backend": "native", "torch": torch.__version__, "format": layout.FORMAT_VERSION}
+    _unreadable_index(tmp_path / "checkpoint-4", this if writer != "none" else None)
+    if writer == "unreadable":
+        (tmp_path / "checkpoint-4" / layout.WRITER).write_text("{")
+    agreed = agree_on_resume_point(layout.Store(str(tmp_path)), TorchBackend())
+    assert agreed.point.checkpoint is not None and agreed.point.checkpoint.name == "checkpoint-2"
+    assert agreed.point.skipped[0].problem is not None
+    assert agreed.point.skipped[0].problem.startswith("its .metadata cannot be read (")
+    assert agreed.cleared == [
+        "unmarked checkpoint-4: it is not whole, and a new save of step 4 will replace it"
+    ]
+
+
 def test_the_full_file_format_of_earlier_versions_is_recognised(tmp_path: Path) -> None:
     saved_steps(tmp_path, [2])
     old = tmp_path / "checkpoint-4"

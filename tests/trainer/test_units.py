@@ -332,6 +332,36 @@ def test_exit_codes() -> None:
 
 
 @pytest.mark.parametrize(
+    ("noted", "failed", "code"),
+    [
+        ({0: 0, 1: 0}, None, ExitCode.OK),
+        ({0: 75, 1: 75}, None, ExitCode.STOPPED_AFTER_CHECKPOINT),  # every worker saved and stopped
+        ({0: 75, 1: 64}, [(1, 64)], ExitCode.CONFIG_ERROR),  # a user error wins over a stop
+        ({0: 0}, [(1, -9)], 128 + 9),  # a worker SIGKILLed before it noted a code: infrastructure
+        ({0: 75}, [(1, -9)], 128 + 9),  # ... even while the other stopped cleanly
+        ({0: 0}, None, 1),  # a worker gone without a note or a failure on record
+    ],
+)
+def test_the_native_launcher_exits_with_the_workers_code(
+    tmp_path: Path, noted: dict[int, int], failed: list[tuple[int, int]] | None, code: int
+) -> None:
+    """native/launcher.py: the pod's exit code carries the operator's failure split, from the codes
+    the workers noted and the agent's record of the ones that died (exit code -N: killed by signal N)."""
+    from types import SimpleNamespace
+
+    from tpuft_trainer.native import launcher
+
+    for rank, value in noted.items():
+        (tmp_path / f"{rank}.code").write_text(str(value))
+    failure = None
+    if failed is not None:
+        failure = SimpleNamespace(
+            failures={rank: SimpleNamespace(exitcode=value, timestamp=rank) for rank, value in failed}
+        )
+    assert launcher._exit_code(tmp_path, 2, failure) == code
+
+
+@pytest.mark.parametrize(
     ("outcome", "code"),
     [
         (None, ExitCode.OK),

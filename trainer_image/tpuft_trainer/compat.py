@@ -749,3 +749,65 @@ def adafactor_dtensor_state(optimizer: Any) -> int:
                     optimizer.state[param]["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
                 primed += 1
     return primed
+
+
+# ---- DCP indexes of a newer torch (the native backend's 2.15) read by the xla venv's torch 2.9 ----
+# Not a patch of torch: called by checkpoint/layout.py (shard_extents) and checkpoint/manager.py (the
+# storage reader's read_metadata), the two places a checkpoint's .metadata is unpickled.
+DCP_INDEX_ERROR = "too many values to unpack (expected 5)"
+# Fields a newer torch appends to TensorProperties' pickled state that this code knows to be safe to
+# drop: torch 2.15's ``strides`` (None or a tuple of ints; its own reader accepts a state without it).
+# A loader only copies each saved chunk into the tensor it already has, in that tensor's layout.
+_DROPPABLE_TENSOR_PROPERTIES = ("strides",)
+
+
+def read_dcp_index(stream: Any) -> Any:
+    """The ``torch.distributed.checkpoint`` Metadata pickled in ``stream``, also when a newer torch
+    wrote it.
+
+    torch 2.15's ``TensorProperties.__getstate__`` returns 6 values (``dtype, layout, requires_grad,
+    memory_format, pin_memory`` and the new trailing ``strides``, default None); torch 2.9's
+    ``__setstate__`` unpacks exactly 5, so ``pickle.load`` of any index torch 2.15 wrote fails with
+    "ValueError: too many values to unpack (expected 5)" (metadata.py of both versions; every other
+    class in the index pickles the same way in both). This unpickler hands TensorProperties a state cut
+    to the fields this torch knows, only when what is cut is the known trailing ``strides`` value;
+    anything else still fails as before (and checkpoint/layout.py then refuses or skips the
+    checkpoint). With a torch that knows every field it changes nothing."""
+    import pickle
+
+    tolerant = _tolerant_tensor_properties()
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = super().find_class(module, name)
+            return tolerant if found is tolerant.__mro__[1] else found
+
+    return _Unpickler(stream).load()
+
+
+@functools.cache
+def _tolerant_tensor_properties() -> type:
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    known = len(dataclasses.fields(TensorProperties))  # memory_format is pickled as an encoding: 1:1
+
+    class _NewerTensorProperties(TensorProperties):
+        def __setstate__(self, state: tuple[Any, ...]) -> None:
+            extra = state[known:]
+            if extra and not (
+                len(extra) <= len(_DROPPABLE_TENSOR_PROPERTIES) and all(_is_strides(v) for v in extra)
+            ):
+                raise ValueError(
+                    f"a checkpoint index field this torch does not know: TensorProperties state {state!r}"
+                )
+            super().__setstate__(state[:known])
+            # The object is torch's own class, as if this torch had read it itself.
+            self.__class__ = TensorProperties  # type: ignore[assignment]
+
+    return _NewerTensorProperties
+
+
+def _is_strides(value: Any) -> bool:
+    return value is None or (isinstance(value, tuple) and all(isinstance(v, int) for v in value))

@@ -17,6 +17,10 @@ from typing import Any, Protocol
 class Backend(Protocol):
     """The tensor runtime under a checkpoint."""
 
+    # The trainer backend whose tensor code this is ("xla", "native"): recorded in every checkpoint's
+    # writer file (layout.WRITER) and compared with it when an index cannot be read.
+    name: str
+
     @property
     def process_index(self) -> int: ...
 
@@ -83,6 +87,8 @@ class TorchBackend:
 
     ``process_group``: the group DCP's collectives use (manager.py), when training runs collectives
     of its own on the default group (the native backend: a gloo group of every process, apart)."""
+
+    name = "native"
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group

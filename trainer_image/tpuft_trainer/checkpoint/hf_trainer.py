@@ -11,9 +11,11 @@ cannot do at scale, through the Trainer's own hooks rather than patches:
   (next hook), because creating that state first (priming) changes the weights.
 - ``_load_optimizer_and_scheduler``: prime the optimizer, load weights and optimizer state in place
   (DCP reshards to the current mesh), set its non-tensor state back, load the scheduler.
-The Trainer's own ``_load_rng_state`` reads the RNG file rank 0 wrote (under SPMD every process runs
-the same program with the same generators), from the local copy of the small files
-(``prepare_resume``).
+- ``_load_rng_state``: the generators from the RNG file rank 0 wrote (under SPMD every process runs
+  the same program with the same generators), from the local copy of the small files
+  (``prepare_resume``). Not the Trainer's own: it reads ``rng_state_<process>.pth`` with several
+  processes, and under XLA it requires an ``xla`` entry, which a checkpoint of the native backend
+  (no XLA generator) does not have (``KeyError: 'xla'`` resuming one).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import json
 import logging
 import os
 import random
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -74,11 +75,30 @@ class TrainerCheckpoints:
         checkpoint's small files (the Trainer reads its state there), or None to start afresh."""
         if self.resume is None:
             return None
-        target = self.manager.fetch_small_files(self.resume, local_dir)
-        rng = os.path.join(target, layout.RNG_STATE)
-        if int(getattr(trainer.args, "world_size", 1)) > 1:  # where the Trainer looks with several processes
-            shutil.copyfile(rng, os.path.join(target, f"rng_state_{trainer.args.process_index}.pth"))
-        return target
+        return self.manager.fetch_small_files(self.resume, local_dir)
+
+    def restore_rng(self, checkpoint_dir: str) -> None:
+        """Python's, NumPy's, torch's CPU and (when there is one) XLA's generators from the checkpoint."""
+        import numpy as np
+        import torch
+        from transformers.trainer_pt_utils import safe_globals
+
+        with safe_globals():  # numpy's generator state, as the Trainer allows it when it reads this file
+            rng = torch.load(os.path.join(checkpoint_dir, layout.RNG_STATE), weights_only=True)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.random.set_rng_state(rng["cpu"])
+        try:
+            import torch_xla.core.xla_model as xm
+        except ImportError:
+            return
+        if "xla" in rng:
+            xm.set_rng_state(rng["xla"])
+        else:
+            name = self.resume.name if self.resume else checkpoint_dir
+            log.info(
+                "%s has no XLA generator state (the native backend wrote it): XLA's keeps its seed", name
+            )
 
     def restore(self, trainer: Any, checkpoint_dir: str) -> None:
         """Weights, optimizer and scheduler from the resumed checkpoint (``checkpoint_dir`` holds its small files)."""
@@ -160,6 +180,12 @@ class ShardedCheckpoints:
         if self.tpuft_checkpoints is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         return None  # loaded with the optimizer state, in _load_optimizer_and_scheduler
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if self.tpuft_checkpoints is None or checkpoint is None:
+            return super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        self.tpuft_checkpoints.restore_rng(checkpoint)
+        return None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self.tpuft_checkpoints is None:

@@ -11,6 +11,7 @@ directory per checkpoint::
         scheduler.pt           rng_state.pth and optimizer.json (non-tensor optimizer state): small
         rng_state.pth          files written by rank 0
         optimizer.json
+        tpuft-checkpoint.json  who wrote it: the backend, its torch version, the format's version
         .tpuft-complete        written by rank 0 once everything above is on storage
 
 A checkpoint is resumed from only if it carries the completion marker AND every file its
@@ -22,10 +23,15 @@ Reads that decide this are asked again after a transient storage error (failures
 is concluded: a checkpoint is never skipped, nor later unmarked, because storage hiccuped once. A
 failure that outlasts the retries ends the start (exit 1, restarted), permission denied exits 77; only
 an index that storage returned but that cannot be parsed (or is gone) makes its checkpoint skipped.
+Unless another torch or backend wrote it (``tpuft-checkpoint.json``): then the index may be whole and
+only unreadable *here*, and skipping it would train from an older step and clear the newer
+checkpoints, so the start fails (ConfigError, exit 64) and nothing is skipped or cleared. A checkpoint
+of an earlier tpuft without that file is treated as before.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable, Collection, Iterator
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tpuft_trainer.checkpoint import failures
-from tpuft_trainer.errors import TrainerError
+from tpuft_trainer.errors import ConfigError, TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,11 @@ SCHEDULER = "scheduler.pt"
 RNG_STATE = "rng_state.pth"
 OPTIMIZER_EXTRAS = "optimizer.json"
 SMALL_FILES = (TRAINER_STATE, SCHEDULER, RNG_STATE, OPTIMIZER_EXTRAS)
+# Who wrote a checkpoint (not in SMALL_FILES: checkpoints of an earlier tpuft lack it and still resume).
+WRITER = "tpuft-checkpoint.json"
+# This layout (the directory above, state.py's keys, the small files' formats); raised on a change that
+# an earlier trainer could misread.
+FORMAT_VERSION = 1
 # What the earlier full-file format wrote instead of DCP shards (the model gathered on every host).
 LEGACY_FILES = ("model.safetensors", "adapter_model.safetensors", "optimizer.pt", "pytorch_model.bin")
 # The first wait before a read that failed transiently is asked again (then 2x, 4x: 3.5 s in all).
@@ -133,6 +144,38 @@ class Store:
 
 
 @dataclass(frozen=True)
+class Writer:
+    """Who wrote a checkpoint (``tpuft-checkpoint.json``), or who is reading one."""
+
+    backend: str  # the trainer's backend: "xla" or "native"
+    torch: str  # torch.__version__ of the process that wrote it
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps({"backend": self.backend, "torch": self.torch, "format": self.format}) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Writer:
+        value = json.loads(text)
+        return cls(str(value["backend"]), str(value["torch"]), int(value["format"]))
+
+    def differs_from(self, reader: Writer) -> bool:
+        """Whether ``reader`` may fail to parse what this writer wrote, whole as it is."""
+        return (self.backend, self.torch) != (reader.backend, reader.torch) or self.format > reader.format
+
+
+def this_writer(backend: str) -> Writer:
+    """This process, as the writer (or reader) of a checkpoint with ``backend``'s tensor code."""
+    return Writer(backend, _torch_version())
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+@dataclass(frozen=True)
 class Found:
     """A checkpoint directory at the output, and whether it can be resumed from."""
 
@@ -156,9 +199,13 @@ def is_marked(store: Store, name: str) -> bool:
     return store.exists(name, COMPLETE) or store.exists(name, LEGACY_UPLOADED)
 
 
-def inspect(store: Store, name: str, backoff_seconds: float = READ_BACKOFF_SECONDS) -> Found:
+def inspect(
+    store: Store, name: str, backoff_seconds: float = READ_BACKOFF_SECONDS, reader: Writer | None = None
+) -> Found:
     """Whether checkpoint ``name`` can be resumed from, and if not, why (in the user's words). Raises
-    ``PermissionDeniedError`` or ``CheckpointReadError`` when storage cannot be read (failures.py)."""
+    ``PermissionDeniedError`` or ``CheckpointReadError`` when storage cannot be read (failures.py), and
+    ``ConfigError`` when its index cannot be parsed by this process (``reader``: this run's backend and
+    torch) but its writer file names another backend, torch or format."""
     step = step_of(name)
     assert step is not None, name
     files = _read(store, name, lambda: store.sizes(name), backoff_seconds)
@@ -177,14 +224,48 @@ def inspect(store: Store, name: str, backoff_seconds: float = READ_BACKOFF_SECON
         if not isinstance(failure.__cause__, FileNotFoundError):
             raise
         return Found(name, step, f"its {DCP_METADATA} is gone ({failure.__cause__})")  # ...unless gone
-    except Exception as error:  # storage returned it, but it is not an index: as bad as none
-        return Found(name, step, f"its {DCP_METADATA} cannot be read ({type(error).__name__}: {error})")
+    except Exception as error:  # storage returned it, but it is not an index: as bad as none...
+        problem = f"its {DCP_METADATA} cannot be read ({type(error).__name__}: {error})"
+        if WRITER in files:  # ...unless it may be whole, in a format only its writer reads
+            _refuse_foreign(store, name, problem, reader, backoff_seconds)
+        return Found(name, step, problem)
     for shard, extent in sorted(needed.items()):
         if shard not in files:
             return Found(name, step, f"shard {shard} is missing")
         if files[shard] < extent:
             return Found(name, step, f"shard {shard} is truncated ({files[shard]} of {extent} bytes)")
     return Found(name, step)
+
+
+def _refuse_foreign(
+    store: Store, name: str, problem: str, reader: Writer | None, backoff_seconds: float
+) -> None:
+    """Raises ConfigError when checkpoint ``name``'s writer file names a backend, torch or format other
+    than ``reader``'s (None: this process's torch, any backend): its unreadable index is then no proof
+    that the checkpoint is bad, and skipping it would lose it and every newer one (``clear_after``)."""
+    try:
+        writer = Writer.from_json(
+            _read(store, f"{name}/{WRITER}", lambda: store.read_text(name, WRITER), backoff_seconds)
+        )
+    except TrainerError as failure:
+        if isinstance(failure.__cause__, FileNotFoundError):
+            return
+        raise
+    except (ValueError, KeyError, TypeError) as error:  # a writer file we cannot parse says nothing
+        log.warning("%s at %s: %s is not readable (%s)", name, store.url(name), WRITER, error)
+        return
+    if reader is None:
+        reader = Writer(writer.backend, _torch_version())
+    if not writer.differs_from(reader):
+        return  # written by the same code that cannot read it: really bad, skipped as before
+    raise ConfigError(
+        f"{name} at {store.url(name)} was written by the {writer.backend} backend with torch "
+        f"{writer.torch} (checkpoint format {writer.format}), and this run ({reader.backend} backend, "
+        f"torch {reader.torch}, format {reader.format}) cannot read it: {problem}. It is neither skipped "
+        "nor cleared (a run that starts over would delete it and every newer checkpoint). Resume it "
+        f"with the backend and image that wrote it (spec.backend: {writer.backend}), or start a new "
+        "run with another spec.output.uri"
+    )
 
 
 def _read(store: Store, what: str, call: Callable[[], T], backoff_seconds: float) -> T:
@@ -203,10 +284,11 @@ def _read(store: Store, what: str, call: Callable[[], T], backoff_seconds: float
 
 def shard_extents(store: Store, name: str) -> dict[str, int]:
     """Shard file -> the end of the last byte range ``.metadata`` points into it."""
-    import pickle
+    from tpuft_trainer import compat
 
     with store.fs.open(store.path(name, DCP_METADATA), "rb") as f:
-        metadata = pickle.load(f)  # DCP's own format: a pickled Metadata (torch.distributed.checkpoint)
+        # DCP's own format: a pickled Metadata (torch.distributed.checkpoint), maybe of a newer torch
+        metadata = compat.read_dcp_index(f)
     extents: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
@@ -222,13 +304,16 @@ class ResumePoint:
     skipped: list[Found]
 
 
-def resume_point(store: Store, backoff_seconds: float = READ_BACKOFF_SECONDS) -> ResumePoint:
+def resume_point(
+    store: Store, backoff_seconds: float = READ_BACKOFF_SECONDS, reader: Writer | None = None
+) -> ResumePoint:
     """The newest checkpoint that can be resumed from, checking newest first. A legacy (full-file)
     checkpoint that is the newest complete one is returned as is: the caller says what to do. One
-    process decides (resume.py): every host must resume from the same checkpoint."""
+    process decides (resume.py): every host must resume from the same checkpoint. ``reader``: this
+    run's backend and torch (``inspect``)."""
     skipped: list[Found] = []
     for _, name in _read(store, "", lambda: list(checkpoints(store)), backoff_seconds):
-        found = inspect(store, name, backoff_seconds)
+        found = inspect(store, name, backoff_seconds, reader)
         if found.resumable or found.legacy:
             return ResumePoint(found, skipped)
         skipped.append(found)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tpuft_trainer import host_memory
+from tpuft_trainer import compat, host_memory
 from tpuft_trainer.checkpoint import layout
 from tpuft_trainer.checkpoint.backend import Backend
 from tpuft_trainer.checkpoint.failures import (
@@ -119,6 +120,7 @@ class CheckpointManager:
         self.resumed_step = 0  # the checkpoint this attempt loaded (0: none)
         self._complete_here: set[str] = set()  # the checkpoints this attempt completed
         self.newest_started: int | None = None  # the newest save this process started
+        self._writer = layout.this_writer(backend.name).to_json()  # every checkpoint's layout.WRITER
 
     # ---- saving ---------------------------------------------------------------------------------
     def save(
@@ -139,7 +141,7 @@ class CheckpointManager:
         self.backend.wait_for_device()
         device_ready = time.monotonic()
         staged = self.backend.stage(state)
-        files = small_files() if self.is_coordinator else {}
+        files = {**small_files(), layout.WRITER: self._writer.encode()} if self.is_coordinator else {}
         staged_at = time.monotonic()
         save = _Save(
             step,
@@ -375,13 +377,30 @@ def _writer(store: layout.Store, name: str) -> Any:
 
 
 def _reader(store: layout.Store, name: str) -> Any:
-    if store.is_local:
-        from torch.distributed.checkpoint import FileSystemReader
+    """DCP's reader of checkpoint ``name``, reading its index through ``compat.read_dcp_index`` (an
+    index a newer torch wrote: the native backend's checkpoints resumed by the xla backend)."""
+    return _reader_class(store.is_local)(store.local_path(name) if store.is_local else store.url(name))
 
-        return FileSystemReader(store.local_path(name))
+
+@functools.cache
+def _reader_class(local: bool) -> type:
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    return FsspecReader(store.url(name))
+    base: Any = FileSystemReader if local else FsspecReader
+
+    class Reader(base):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            # What the base's read_metadata does, with the tolerant unpickling in place of pickle.load.
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+                metadata = compat.read_dcp_index(stream)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader
 
 
 # Said at every save or load, by DCP and torch_xla's planners, about their own code: noise in a log.

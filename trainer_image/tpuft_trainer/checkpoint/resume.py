@@ -38,7 +38,7 @@ def agree_on_resume_point(
     """Every process calls it, and gets the same answer. A legacy (full-file) checkpoint is returned
     without clearing anything: the caller refuses it."""
     point: layout.ResumePoint = _from_process_zero(
-        backend, lambda: layout.resume_point(store, backoff_seconds)
+        backend, lambda: layout.resume_point(store, backoff_seconds, layout.this_writer(backend.name))
     )
     backend.barrier()  # every process has the answer before anything at the output changes
     found = point.checkpoint

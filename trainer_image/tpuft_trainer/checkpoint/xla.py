@@ -34,6 +34,8 @@ def _offsets(indices: Any) -> tuple[int, ...]:
 class XlaBackend:
     """torch_xla SPMD: one process per host, every local device's shards staged by that process."""
 
+    name = "xla"
+
     def __init__(self) -> None:
         import torch.distributed as dist
         import torch_xla.runtime as xr

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -165,7 +166,8 @@ def launch(config: TrainerConfig, config_path: Path, env: Mapping[str, str] | No
     except ChildFailedError as failed:
         return _exit_code(exits, plan.nproc_per_node, failed)
     except SignalException as signalled:
-        log.warning("the launcher got %s: the workers were asked to checkpoint and stop", signalled.sigval)
+        name = signal.Signals(signalled.sigval).name  # (an int here: "got 15" says little in a pod's log)
+        log.warning("the launcher got %s: the workers were asked to checkpoint and stop", name)
         return _exit_code(exits, plan.nproc_per_node, None)
     return _exit_code(exits, plan.nproc_per_node, None)
 
