@@ -840,7 +840,7 @@ def test_the_backends_alternate_and_are_compared_by_their_means_and_round_by_rou
                       "tokens_per_second_with_saves": 900 / step},
             "rss": {"sum_of_peaks_bytes": rss, "largest_process_bytes": rss, "peak_total_pss_bytes": rss},
             "saves": [{"blocked_seconds": blocked, "staging_seconds": blocked, "write_seconds": 1.0}],
-            "startup_seconds": 10.0, "wall_seconds": 60.0, "losses": losses,
+            "wall_seconds": 60.0, "losses": losses,
         }  # fmt: skip
 
     runs = [
@@ -850,10 +850,16 @@ def test_the_backends_alternate_and_are_compared_by_their_means_and_round_by_rou
         run("xla", 1.0, 100, 0.2, {1: 6.0, 2: 5.5}),
     ]
     result = summary(runs)
-    assert result["xla"]["median_step_seconds"] == 1.0 and result["native"]["median_step_seconds"] == 1.0
-    assert result["native_over_xla"]["rss_sum_of_peaks_bytes"] == 3.0
-    assert result["native_over_xla"]["save_blocked_seconds"] == 0.5
+    # Speed: each backend's best run (another job's burst slows one run, not the backend).
+    assert result["xla"]["median_step_seconds"] == 1.0 and result["native"]["median_step_seconds"] == 0.5
+    assert (
+        result["native"]["tokens_per_second"] == 2000.0
+        and result["native_over_xla"]["tokens_per_second"] == 2.0
+    )
+    assert result["native_over_xla"]["rss_sum_of_peaks_bytes"] == 3.0  # memory: the mean of the runs
+    assert result["native_over_xla"]["save_blocked_seconds"] == 0.5  # saves: the median of them all
     assert [r["median_step_seconds"] for r in result["native_over_xla_by_round"]] == [0.5, 1.5]
+    assert result["how"]["median_step_seconds"] == "best" and result["how"]["save_blocked_seconds"] == "saves"
     assert max_loss_difference(runs) == 0.0001
 
 
