@@ -56,7 +56,7 @@ DEVICES = 2  # PJRT CPU devices (xla) = worker processes (native): one per core 
 STEPS, SAVE_STEPS = 20, 5  # periodic saves at 5, 10 and 15; the last step's save is synchronous
 WARMUP_STEPS = 3  # steps 1-3 are left out of the step time (xla compiles there)
 ROUNDS = 2
-# Made-up documents, log-normal lengths (median MEDIAN_WORDS tokens, at most SEQ_LEN): 536 packed
+# Made-up documents, log-normal lengths (median MEDIAN_WORDS tokens, at most SEQ_LEN): 524 packed
 # rows, more than the STEPS x GLOBAL_BATCH a run reads (no epoch ends within a run).
 DOCUMENTS, MEDIAN_WORDS = 1200, 24
 SAMPLE_S = 0.05  # VmHWM/VmRSS of every process of the run
