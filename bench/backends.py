@@ -22,8 +22,10 @@ read the same files (every run must report that fingerprint, reused, or the benc
   rest of the machine took meanwhile (the machine is shared: only ratios from one run mean much).
 
 The runs alternate xla, native, native, xla (ROUNDS rounds, each the last one's order reversed), so a
-change of the machine's load weighs on both alike; the report gives every run, the means per backend
-and native / xla of the means and of each round.
+change of the machine's load weighs on both alike. Per backend: speed from its best run, memory the
+mean of its runs, the saves the median of all its periodic saves (FIGURES); native / xla of those,
+and of each round's two runs. Its working files (a temporary directory) are removed after a run that
+succeeded, kept (and named in the error) after one that failed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -518,7 +521,9 @@ def run(root: Path, backend: str, index: int, python: str) -> dict[str, Any]:
     harness = tree.run()
     if harness["exit_code"] != 0:
         tail = tree.log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"tpuft train at backend {backend} failed (exit {harness['exit_code']}):\n{tail}")
+        raise SystemExit(
+            f"tpuft train at backend {backend} failed (exit {harness['exit_code']}; its files: {root}):\n{tail}"
+        )
     metrics = json.loads((output / "tpuft-metrics.json").read_text())
     parts = {k: v for k, v in (metrics.get("peak_rss") or {}).items() if isinstance(v, int)}
     peaks = process_peaks(tree.samples, parts)
@@ -562,6 +567,7 @@ def main(rounds: int = ROUNDS) -> dict[str, Any]:
         raise SystemExit(f"the runs did not all read the one prepared dataset: {same_data}")
     for r in runs:
         r.pop("data_directory")
+    shutil.rmtree(root, ignore_errors=True)
     return {
         "what": (
             f"tpuft train, backend xla (1 process, {DEVICES} PJRT CPU devices) vs native ({DEVICES} gloo "
