@@ -5,7 +5,7 @@ Each benchmark rewrites its one current results file in bench/results/ (`bench.O
 python -m bench                              # kopf-path, the operator at N=100, 300, 1000, the trainer
                                              # (with recipes and dpo), goodput, scale, data
 python -m bench operator --n 100 300 1000    # one part (options: python -m bench operator -h)
-python -m bench trainer
+python -m bench trainer [--skip-recipes]     # device counts, xla vs native (+ recipes and dpo)
 python -m bench kopf-path                    # one watch event's cost: kopf's per-object path vs watches.py
 python -m bench pace --n 1000              # the operator's write pace: what it buys (pods sooner) and costs
 python -m bench goodput [--steps 6000]       # a real run, undisrupted vs suspended, SIGKILLed, maintained
@@ -37,6 +37,10 @@ def trainer_report(results: dict[str, Any]) -> list[str]:
             f"{r['devices']:>7} {r['steps_per_second']:>8} {r['tokens_per_second']:>9} {compiles:>9} "
             f"{r['parameter_bytes_per_device_max']:>13} {r['parameter_bytes_total_over_n']:>9}"
         )
+    if "backends" in results:
+        from bench import backends
+
+        lines += backends.report(results["backends"])
     return lines
 
 
@@ -126,7 +130,7 @@ def main(argv: list[str]) -> None:
     if part in ("all", "operator"):
         operator_results = operator.cli(rest)
     if part in ("all", "trainer"):
-        trainer.main()
+        trainer.main(**vars(trainer.parser().parse_args(rest if part == "trainer" else [])))
     if part in ("all", "goodput"):
         goodput.main(**vars(goodput.parser().parse_args(rest if part == "goodput" else [])))
     if part in ("all", "scale"):

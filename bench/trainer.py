@@ -1,5 +1,8 @@
 """FSDPv2 on 1, 2, 4 and 8 PJRT CPU devices: steps/s, tokens/s, XLA compilations, and the bytes of
-parameters each device holds against total / N. Results: bench/results/trainer.json.
+parameters each device holds against total / N; then the two training backends, xla and native, side
+by side through `tpuft train` (bench/backends.py). Results: bench/results/trainer.json, one run of
+both. `python -m bench trainer` then runs the recipes' and DPO's benchmarks (recipes.json, dpo.json)
+unless `--skip-recipes`.
 
 Each device count runs in its own process (SPMD is process-global). CPU "devices" share one host's
 cores, so the throughput column shows the cost of SPMD partitioning and collectives on CPU, not TPU
@@ -8,12 +11,14 @@ speed; the bytes-per-device column is the real point: FSDPv2 holds ~1/N of the p
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -108,19 +113,37 @@ def run(devices: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench trainer", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--skip-recipes",
+        action="store_true",
+        help="rewrite trainer.json only (the device counts and the backends), not recipes.json and dpo.json",
+    )
+    return p
+
+
+def main(skip_recipes: bool = False) -> None:
+    from bench import backends  # tpuft train at backend xla and native: needs the native venv
+
+    backends.native_python()  # missing: an error saying how to get it, before anything runs
+    started, load_start = datetime.now(UTC), _load_average()
     results = [run(n) for n in DEVICE_COUNTS]
+    both = backends.main()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         json.dumps(
             {
                 "what": "tiny Llama (FSDPv2, stock Trainer) on PJRT CPU devices",
+                "started": started.isoformat(timespec="seconds"),
+                "load_average": {"start": load_start, "end": _load_average()},
                 "model": MODEL,
                 "seq_len": SEQ_LEN,
                 "global_batch": GLOBAL_BATCH,
                 "timed_steps": TIMED_STEPS,
                 "cpu_count": os.cpu_count(),
                 "results": results,
+                "backends": both,
             },
             indent=1,
         )
@@ -135,7 +158,10 @@ def main() -> None:
             f"{r['devices']:>7} {r['steps_per_second']:>8} {r['tokens_per_second']:>9} {compiles:>9} "
             f"{r['parameter_bytes_per_device_max']:>13} {r['parameter_bytes_total_over_n']:>9}"
         )
+    print("\n".join(backends.report(both)))
     print(f"written to {RESULTS}")
+    if skip_recipes:
+        return
     from bench import recipes  # the recipes' targets: packing's gain, tpuft train's overhead
 
     recipes.main()
@@ -144,8 +170,12 @@ def main() -> None:
     dpo.main()
 
 
+def _load_average() -> list[float]:
+    return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         Path(sys.argv[2]).write_text(json.dumps(worker()))
     else:
-        main()
+        main(**vars(parser().parse_args(sys.argv[1:])))

@@ -775,3 +775,116 @@ def test_the_scale_report_shows_both_trainers_and_the_verdicts(tmp_path: Path) -
     assert "periodic save blocks training: 8.00 s at step 2 (4.00x)" in text
     assert "the whole save blocks" in text and "the staging copy of" not in text  # (the earlier trainer's)
     assert scale.plot(results, tmp_path / "scale.png").is_file()
+
+
+# ---- the backends side by side (bench/backends.py) ----------------------------------------------------
+
+
+def backend_metrics(step_seconds: list[float], blocked: float, parts: dict[str, int]) -> dict[str, Any]:
+    """A made-up `tpuft-metrics.json`: 20 steps, periodic saves at 5, 10 and 15, the final one at 20."""
+    saves = [
+        {"step": s, "reason": "periodic", "blocked_seconds": blocked, "staging_seconds": blocked,
+         "device_wait_seconds": 0.0, "write_seconds": 0.8, "seconds": 0.9}
+        for s in (5, 10, 15)
+    ] + [{"step": 20, "reason": "final", "blocked_seconds": 1.0, "staging_seconds": 0.1,
+          "device_wait_seconds": 0.0, "write_seconds": 0.9, "seconds": 1.0}]  # fmt: skip
+    return {"step_seconds": step_seconds, "attempt": {"checkpoints": saves}, "peak_rss": parts}
+
+
+def test_the_backends_step_time_leaves_out_the_warmup_and_the_steps_after_a_save() -> None:
+    from bench.backends import periodic_saves_of, step_figures
+
+    # step_seconds[i] is step i + 2: steps 2 and 3 compile, 6, 11 and 16 follow a periodic save.
+    odd = {2: 40.0, 3: 30.0, 6: 5.0, 11: 5.0, 16: 5.0, 4: 0.2, 20: 0.9}
+    steps = [odd.get(step, 0.5) for step in range(2, 21)]
+    metrics = backend_metrics(steps, 0.2, {})
+    assert [s["step"] for s in periodic_saves_of(metrics)] == [5, 10, 15]  # not the final save
+    figures = step_figures(metrics, positions_per_step=1000)
+    assert figures["timed_steps"] == [4, 5, 7, 8, 9, 10, 12, 13, 14, 15, 17, 18, 19, 20]
+    assert figures["median_step_seconds"] == 0.5 and figures["tokens_per_second"] == 2000.0
+    after_warmup = steps[2:]  # steps 4..20, the saves' steps included
+    assert figures["tokens_per_second_with_saves"] == round(1000 * 17 / sum(after_warmup), 1)
+
+
+def test_each_process_peak_is_sampled_and_rank_zeros_at_least_what_its_trainer_recorded() -> None:
+    from bench.backends import process_peaks, rss_figures
+
+    gb = 10**9
+    seen = {
+        10: {"role": "launcher", "hwm": 1 * gb, "anon": 1, "file": 2},
+        12: {"role": "worker 1", "hwm": 2 * gb, "anon": 1, "file": 2},
+        11: {"role": "worker 0", "hwm": 2 * gb, "anon": 1, "file": 2},
+    }
+    # The trainer's train part peaked between two samples (just before it reset VmHWM).
+    peaks = process_peaks(seen, {"load": gb, "train": 3 * gb, "export": 2 * gb})
+    assert [(p["role"], p["peak_bytes"], p["from"]) for p in peaks] == [
+        ("launcher", 1 * gb, "sampled"), ("worker 0", 3 * gb, "trainer"), ("worker 1", 2 * gb, "sampled"),
+    ]  # fmt: skip
+    figures = rss_figures(peaks, peak_total_rss=5 * gb, peak_total_pss=3 * gb)
+    assert figures["sum_of_peaks_bytes"] == 6 * gb and figures["largest_process_bytes"] == 3 * gb
+    assert figures["process_count"] == 3
+    # The xla run: one process, rank 0; a sample above the trainer's parts stands.
+    (xla,) = process_peaks({7: {"role": "process", "hwm": 4 * gb, "anon": 1, "file": 2}}, {"train": 3 * gb})
+    assert (xla["peak_bytes"], xla["from"]) == (4 * gb, "sampled")
+
+
+def test_the_backends_alternate_and_are_compared_by_their_means_and_round_by_round() -> None:
+    from bench.backends import max_loss_difference, order, summary
+
+    assert order(2) == ["xla", "native", "native", "xla"] and order(1) == ["xla", "native"]
+
+    def run(backend: str, step: float, rss: int, blocked: float, losses: dict[int, float]) -> dict[str, Any]:
+        return {
+            "backend": backend,
+            "steps": {"median_step_seconds": step, "tokens_per_second": 1000 / step,
+                      "tokens_per_second_with_saves": 900 / step},
+            "rss": {"sum_of_peaks_bytes": rss, "largest_process_bytes": rss, "peak_total_pss_bytes": rss},
+            "saves": [{"blocked_seconds": blocked, "staging_seconds": blocked, "write_seconds": 1.0}],
+            "wall_seconds": 60.0, "losses": losses,
+        }  # fmt: skip
+
+    runs = [
+        run("xla", 1.0, 100, 0.2, {1: 6.0, 2: 5.5}),
+        run("native", 0.5, 300, 0.1, {1: 6.0, 2: 5.5001}),
+        run("native", 1.5, 300, 0.1, {1: 6.0, 2: 5.5}),
+        run("xla", 1.0, 100, 0.2, {1: 6.0, 2: 5.5}),
+    ]
+    result = summary(runs)
+    # Speed: each backend's best run (another job's burst slows one run, not the backend).
+    assert result["xla"]["median_step_seconds"] == 1.0 and result["native"]["median_step_seconds"] == 0.5
+    assert (
+        result["native"]["tokens_per_second"] == 2000.0
+        and result["native_over_xla"]["tokens_per_second"] == 2.0
+    )
+    assert result["native_over_xla"]["rss_sum_of_peaks_bytes"] == 3.0  # memory: the mean of the runs
+    assert result["native_over_xla"]["save_blocked_seconds"] == 0.5  # saves: the median of them all
+    assert [r["median_step_seconds"] for r in result["native_over_xla_by_round"]] == [0.5, 1.5]
+    assert result["how"]["median_step_seconds"] == "best" and result["how"]["save_blocked_seconds"] == "saves"
+    assert max_loss_difference(runs) == 0.0001
+
+
+def test_the_backends_harness_samples_every_process_of_the_run_and_names_the_workers(tmp_path: Path) -> None:
+    """A launcher-like parent with two children (one a worker, by LOCAL_RANK) that hold memory: every
+    process is found and its peak sampled."""
+    import sys
+
+    from bench.backends import Tree
+
+    child = "import time; b = bytearray({size}); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.0)"
+    parent = (
+        "import os, subprocess, sys\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {child.format(size=60 * 2**20)!r}], "
+        "env=dict(os.environ, LOCAL_RANK='0', OMP_NUM_THREADS='1'))\n"
+        f"o = subprocess.Popen([sys.executable, '-c', {child.format(size=1)!r}])\n"
+        "w.wait(); o.wait()\n"
+    )
+    tree = Tree([sys.executable, "-c", parent], {}, tmp_path / "log", "launcher")
+    harness = tree.run()
+    assert harness["exit_code"] == 0, (tmp_path / "log").read_text()
+    roles = {seen["role"]: seen for seen in tree.samples.values()}
+    assert len(roles) == 3 and {"launcher", "worker 0"} < set(roles)
+    (other,) = set(roles) - {"launcher", "worker 0"}
+    assert other.startswith("other (python")  # its name, from /proc/PID/comm
+    assert roles["worker 0"]["hwm"] >= 60 * 2**20 and roles["worker 0"]["omp_num_threads"] == "1"
+    assert tree.peak_total_rss >= 60 * 2**20 and tree.peak_total_pss > 0
+    assert 0 <= harness["others_cpu_share"] <= 1 and len(harness["load_average"]) == 2

@@ -16,7 +16,7 @@ from bench import OUTPUTS, RESULTS_DIR, plot_file, results_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
-MAX_PAGE_LINES = 275  # ten benchmarks, a short section each
+MAX_PAGE_LINES = 315  # ten benchmarks, a short section each (the training core with xla vs native)
 # A mention of a results file in the docs: bench/results/NAME (NAME up to the first character that
 # cannot be part of a file name in prose or Markdown).
 MENTION = re.compile(r"bench/results/([A-Za-z0-9_.-]*[A-Za-z0-9_-])")
@@ -153,3 +153,37 @@ def test_the_page_says_whether_the_saves_device_wait_was_measured_apart() -> Non
     assert says_not_measured == (not all(split))
     for verdict in results["verdicts"][:1]:  # the periodic save's, as the bench judged it
         assert (scale.SPLIT_NOT_MEASURED in verdict["value"]) == (not all(split))
+
+
+def test_the_trainer_results_hold_both_backends_from_one_run_on_the_same_data() -> None:
+    """trainer.json's `backends` (issue 48): xla and native through `tpuft train` in the run that wrote
+    the device counts, alternating, every run on the one prepared dataset, the native runs' every
+    process counted; its figures are what its runs give, and the page shows them as they are."""
+    import json
+
+    from bench import backends, scale, trainer
+
+    results = json.loads(trainer.RESULTS.read_text())
+    both = results["backends"]
+    assert both["started"] >= results["started"] and both["model"] == results["model"] == trainer.MODEL
+    assert (both["seq_len"], both["global_batch"]) == (results["seq_len"], results["global_batch"])
+    assert len(both["order"]) >= 2 and both["order"] == backends.order(len(both["order"]) // 2)
+    assert [r["backend"] for r in both["runs"]] == both["order"]
+    periodic = list(range(both["save_steps"], both["steps"], both["save_steps"]))
+    for run in both["runs"]:
+        assert run["exit_code"] == 0
+        assert run["data"] == {"fingerprint": both["data"]["fingerprint"], "reused": True}
+        roles = [p["role"] for p in run["rss"]["processes"] if not p["role"].startswith("other")]
+        workers = [f"worker {i}" for i in range(both["devices"])]
+        assert roles == (["process"] if run["backend"] == "xla" else ["launcher", *workers])
+        assert run["rss"]["sum_of_peaks_bytes"] == sum(p["peak_bytes"] for p in run["rss"]["processes"])
+        assert [s["step"] for s in run["saves"]] == periodic
+        assert len(run["step_seconds"]) == both["steps"] - 1 and run["steps"]["compiled_after_warmup"] == []
+        median = scale.median_step(run["step_seconds"], 1, periodic, both["warmup_steps"])
+        assert median is not None and run["steps"]["median_step_seconds"] == round(median, 4)
+    assert both["summary"] == json.loads(json.dumps(backends.summary(both["runs"])))
+    losses = {r["backend"]: r["losses"] for r in both["runs"]}
+    assert both["max_loss_difference"] is not None and both["max_loss_difference"] < 1e-3, losses
+    section = PAGE.read_text().split("### xla and native side by side", 1)[1].split("\n## ", 1)[0]
+    for row in backends.page_rows(both):
+        assert row in section, row
