@@ -3,7 +3,9 @@ ServiceAccount, with exactly the chart's RBAC, against the local cluster."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from tpuft_dev.cluster.operator_process import (
     install_operator,
     operator_env,
 )
+from tpuft_dev.demo import build_assets
 from tpuft_operator.settings import OperatorSettings
 
 __all__ = ["E2E_VALUES", "OPERATOR_NAMESPACE", "OPERATOR_SETTINGS", "SERVICE_ACCOUNT", "OperatorProcess"]
@@ -55,3 +58,19 @@ def operator(
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's tiny model and data (`build_assets`), built once a session for the tests that
+    train for real on this host: each build is a subprocess importing torch and transformers (10-20 s
+    on the loaded 2-core machine). The build is seeded, so a copy is what a fresh build would make."""
+    root = tmp_path_factory.mktemp("tiny-assets")
+    build_assets(root)
+    return root
+
+
+def copy_assets(tiny_assets: Path, root: Path) -> Path:
+    """A test's own copy of the tiny assets at ``root`` (its runs write their outputs there)."""
+    shutil.copytree(tiny_assets, root)
+    return root

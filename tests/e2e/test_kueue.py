@@ -242,9 +242,9 @@ def test_a_run_naming_a_missing_localqueue_says_so(
 
 
 @pytest.fixture
-def cpu_host(kueue: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
+def cpu_host(kueue: LocalCluster, namespace: str, tmp_path: Path, tiny_assets: Path) -> Iterator[Host]:
     """This machine as a v5e 2x2 host that trains for real, in the cluster that runs Kueue."""
-    with host_on_this_machine(kueue, namespace, tmp_path) as made:
+    with host_on_this_machine(kueue, namespace, tmp_path, tiny_assets) as made:
         yield made
 
 
@@ -258,7 +258,7 @@ def test_a_preempted_training_run_queues_again_and_resumes_from_its_checkpoint(
     queues.make(v5e.chips, preemption=True, shape=v5e)
     low, high = queues.priority_class(100), queues.priority_class(1000)
     output = cpu_host.output
-    training = tiny_run("low", namespace, cpu_host.root, steps=60)  # no saveSteps
+    training = tiny_run("low", namespace, cpu_host.root, steps=60, prepare_job=False)  # no saveSteps
     training["spec"]["queueName"] = "tpu"
     training["metadata"]["labels"] = {PRIORITY_LABEL: low}
     kueue.apply([training])
@@ -277,8 +277,8 @@ def test_a_preempted_training_run_queues_again_and_resumes_from_its_checkpoint(
         queueName="tpu",
         tpu={"type": "v5e", "topology": "2x2"},
         pod_annotations=kwok.hold_running("3s"),
-        # Its JobSet at once, as Kueue's preemption is what is tested: the other run, reading its
-        # prepared data, would finish its last 45 steps (~7 s) while this one prepared.
+        # Its JobSet at once, as Kueue's preemption is what is tested: the other run would finish
+        # its last 45 steps (~7 s) while this one prepared.
         prepare={"enabled": False},
     )
     urgent["metadata"]["labels"] = {PRIORITY_LABEL: high}

@@ -13,25 +13,32 @@ from typing import Any
 import pytest
 
 from tests.conftest import unique
-from tests.e2e.conftest import OperatorProcess
+from tests.e2e.conftest import OperatorProcess, copy_assets
 from tests.support import get_json, patch_status_as, tpu_pods_of, wait_for
 from tpuft_dev.cluster.executor import LocalExecutor
 from tpuft_dev.cluster.local import LocalCluster
-from tpuft_dev.demo import build_assets, host_run
+from tpuft_dev.demo import host_run
 from tpuft_operator.plan import dims_from_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
 
 
-def tiny_run(name: str, namespace: str, root: Path, steps: int) -> dict[str, Any]:
-    return host_run(name, namespace, root, steps)
+def tiny_run(
+    name: str, namespace: str, root: Path, steps: int, *, prepare_job: bool = True
+) -> dict[str, Any]:
+    """A run of the tiny model on this host. ``prepare_job=False`` (spec.prepare.enabled false): no
+    prepare Job, the trainer prepares the data itself as it starts, for the tests whose subject is
+    training, stops and restarts: a prepare Job there costs another pod and a `tpuft prepare` process
+    (Python, transformers, the tokenizer) before the JobSet. The Preparing path with the real
+    `tpuft prepare` is test_progress_from_a_real_training_run_reaches_status's."""
+    spec: dict[str, Any] = {} if prepare_job else {"prepare": {"enabled": False}}
+    return host_run(name, namespace, root, steps, **spec)
 
 
 def test_progress_from_a_real_training_run_reaches_status(
-    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path, tiny_assets: Path
 ) -> None:
-    root = tmp_path / "work"
-    build_assets(root)
+    root = copy_assets(tiny_assets, tmp_path / "work")
     local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
     executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
     executor.start()
@@ -147,12 +154,11 @@ def test_progress_from_a_real_training_run_reaches_status(
 
 
 def test_a_killed_host_restarts_the_run_which_resumes_from_its_last_checkpoint(
-    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
+    local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path, tiny_assets: Path
 ) -> None:
-    root = tmp_path / "work"
-    build_assets(root)
+    root = copy_assets(tiny_assets, tmp_path / "work")
     local_cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
-    body = tiny_run("resumable", namespace, root, steps=40)
+    body = tiny_run("resumable", namespace, root, steps=40, prepare_job=False)
     body["spec"]["training"]["saveSteps"] = 5
     body["spec"]["maxRestarts"] = 2
     executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")

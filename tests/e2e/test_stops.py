@@ -22,12 +22,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import unique
-from tests.e2e.conftest import OperatorProcess
+from tests.e2e.conftest import OperatorProcess, copy_assets
 from tests.e2e.test_progress import tiny_run
 from tests.support import get_json, tpu_pods_of, wait_for
 from tpuft_dev.cluster.executor import LocalExecutor
 from tpuft_dev.cluster.local import LocalCluster
-from tpuft_dev.demo import build_assets
 from tpuft_operator.maintenance import SCHEDULED_LABEL
 from tpuft_trainer.storage import COMPLETE
 
@@ -73,11 +72,12 @@ class Host:
 
 
 @contextmanager
-def host_on_this_machine(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
+def host_on_this_machine(
+    cluster: LocalCluster, namespace: str, tmp_path: Path, tiny_assets: Path
+) -> Iterator[Host]:
     """This machine as a v5e 2x2 host of ``cluster`` that trains for real: a kwok node pool of its
-    own, the demo's model and data, and the local executor running the pods' `tpuft train`."""
-    root = tmp_path / "work"
-    build_assets(root)
+    own, a copy of the demo's model and data, and the local executor running the pods' `tpuft train`."""
+    root = copy_assets(tiny_assets, tmp_path / "work")
     cluster.add_nodepool("v5e", "2x2", prefix=unique("cpu"))
     executor = LocalExecutor(cluster, namespace, tmp_path / "pods")
     executor.start()
@@ -88,8 +88,8 @@ def host_on_this_machine(cluster: LocalCluster, namespace: str, tmp_path: Path) 
 
 
 @pytest.fixture
-def host(local_cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Host]:
-    with host_on_this_machine(local_cluster, namespace, tmp_path) as made:
+def host(local_cluster: LocalCluster, namespace: str, tmp_path: Path, tiny_assets: Path) -> Iterator[Host]:
+    with host_on_this_machine(local_cluster, namespace, tmp_path, tiny_assets) as made:
         yield made
 
 
@@ -97,7 +97,7 @@ def test_suspend_then_resume_continues_from_the_suspend_step(
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, host: Host
 ) -> None:
     root, output, executor = host.root, host.output, host.executor
-    local_cluster.apply([tiny_run("pausable", namespace, root, steps=150)])  # no saveSteps
+    local_cluster.apply([tiny_run("pausable", namespace, root, steps=150, prepare_job=False)])  # no saveSteps
     wait_for(
         lambda: step_of(local_cluster, "pausable", namespace) >= 15,
         timeout=300,
@@ -151,7 +151,7 @@ def test_maintenance_checkpoints_before_the_announced_time_and_the_restart_is_fr
     local_cluster: LocalCluster, operator: OperatorProcess, namespace: str, host: Host
 ) -> None:
     root, output = host.root, host.output
-    body = tiny_run("maintained", namespace, root, steps=150)
+    body = tiny_run("maintained", namespace, root, steps=150, prepare_job=False)
     assert body["spec"]["maxRestarts"] == 0  # so a restart that counted would fail the run
     node = ""
     try:
