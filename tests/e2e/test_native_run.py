@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import unique
-from tests.e2e.conftest import OperatorProcess
+from tests.e2e.conftest import OperatorProcess, copy_assets
 from tests.support import condition, get_json, tpu_pods_of, wait_for
 from tpuft_dev.cluster.executor import LocalExecutor, native_python
 from tpuft_dev.cluster.local import LocalCluster
-from tpuft_dev.demo import build_assets, host_run
+from tpuft_dev.demo import host_run
 from tpuft_operator import trainer_stack
 from tpuft_operator.render.settings import DEFAULT_TRAINER_IMAGE_NATIVE
 from tpuft_trainer.pod_contract import NATIVE_MASTER_PORT
@@ -78,11 +78,11 @@ def test_a_native_run_trains_one_process_per_chip_and_succeeds(
     operator: OperatorProcess,
     namespace: str,
     tmp_path: Path,
+    tiny_assets: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     venv_python = native_python()  # a missing venv fails here, saying `scripts/venv.sh native`
-    root = tmp_path / "work"
-    build_assets(root)
+    root = copy_assets(tiny_assets, tmp_path / "work")
     local_cluster.add_nodepool("v5e", TOPOLOGY, prefix=unique("cpu"))
     executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
     caplog.set_level(logging.INFO, logger="tpuft.executor")
