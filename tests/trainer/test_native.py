@@ -245,6 +245,13 @@ def test_two_processes_give_the_losses_of_one_and_reshard_both_ways(pool: Pool) 
     assert all("Shard(dim=0)" in p for p in record["parameter_sharding"].values())
     # The final export reloads as a standard model.
     assert (two_out / "model.safetensors").is_file() and (two_out / "config.json").is_file()
+    # TensorBoard: rank 0's events under the xla backend's tags, the losses the record has.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(two_out / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "train/learning_rate", "train/grad_norm"} <= set(events.Tags()["scalars"])
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(reference, rel=1e-6)
     # 2 -> 1: one process resumes the 2-process checkpoint-2 and trains steps 3-6 as the 2 did;
     # 1 -> 2: two processes resume that 1-process run's checkpoint-4 (steps 5-6).
     for (proc, output), resumed_from, processes in (

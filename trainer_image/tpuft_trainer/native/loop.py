@@ -38,6 +38,7 @@ from tpuft_trainer.errors import ConfigError
 from tpuft_trainer.native import batches, checkpoints, runtime
 from tpuft_trainer.native import model as native_model
 from tpuft_trainer.native import optimizer as native_optimizer
+from tpuft_trainer.native.events import Events
 from tpuft_trainer.pod_contract import (
     FAULT_KILL_AT_STEP_ENV,
     FAULT_KILL_IN_SAVE_AT_STEP_ENV,
@@ -155,6 +156,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         progress.step, progress.log_history = restored.step, restored.log_history
     saves = _SaveLog(attempt, config, stopper, rt.is_rank_zero)
     reporter = _Reporter(config, total_steps, record.rows_per_step, rt.is_rank_zero, attempt)
+    reporter.events = Events(output, config.output.uri, is_rank_zero=rt.is_rank_zero)
     evaluate = _Evaluator(model, eval_dataset, eval_batches, global_batch, rt)
     # 5. Train.
     try:
@@ -173,7 +175,9 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         _stopped(record, stopper, attempt, progress.step, output, config, started, rt.is_rank_zero)
     if evaluate.available and recipe.needs_final_evaluation(training.eval_steps, progress.step):
         record.eval_losses[progress.step] = eval_loss = evaluate()
+        reporter.events.scalars(progress.step, {"eval/loss": eval_loss})
         reporter.report(progress.step, eval_loss=eval_loss, final=True)
+    reporter.events.close()
     # 6. The final model in the standard format, streamed shard group by group (export.py).
     optimizer.state.clear()
     model.zero_grad(set_to_none=True)
@@ -265,10 +269,12 @@ def _train(
             if grad_norm is not None:
                 record.grad_norms[step] = entry["grad_norm"] = float(_full(grad_norm))
             progress.log_history.append({**entry, "step": step})
+            reporter.events.scalars(step, {f"train/{key}": value for key, value in entry.items()})
         eval_loss = None
         if evaluate.available and training.eval_steps and step % training.eval_steps == 0:
             record.eval_losses[step] = eval_loss = evaluate()
             progress.log_history.append({"epoch": progress.epoch, "eval_loss": eval_loss, "step": step})
+            reporter.events.scalars(step, {"eval/loss": eval_loss})
         if sigterm_at and step == sigterm_at:
             saves.record(manager.wait())
             log.warning("%s=%d: sending this process SIGTERM", FAULT_SIGTERM_AT_STEP_ENV, sigterm_at)
@@ -297,6 +303,7 @@ def _train(
             checkpoints.save(
                 manager, model, optimizer, scheduler, progress, reason=reason, blocking=reason != "periodic"
             )
+            reporter.events.publish()
             if reason == "periodic" and stopper.after_save_staged(step).stop:
                 log.warning(
                     "SIGTERM while checkpoint-%d was being saved: finishing it and stopping there", step
@@ -385,6 +392,7 @@ class _Reporter:
         self.last_loss: float | None = None
         self.last_loss_step: int | None = None
         self.last_eval_loss: float | None = None
+        self.events: Events  # set by run(), once the output directory is known
 
     def report(
         self, step: int, *, loss: float | None = None, eval_loss: float | None = None, final: bool = False
