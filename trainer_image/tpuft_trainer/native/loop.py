@@ -221,20 +221,26 @@ def _train(
     training = config.training
     sigterm_at = int(env.get(FAULT_SIGTERM_AT_STEP_ENV, "0") or 0)
     kill_at = int(env.get(FAULT_KILL_AT_STEP_ENV, "0") or 0)
-    pending_loss, pending_steps = torch.zeros((), dtype=torch.float64), 0
+
+    # The loss and the loss-token counts stay on the device until a logging step (the loss) or the
+    # end (the counts): reading them at every step would make the host wait for the chips each step.
+    def on_device() -> Any:
+        return torch.zeros((), dtype=torch.float32, device=rt.device)
+
+    pending_loss, pending_steps = on_device(), 0
     step_times: list[float] = []
     positions: list[int] = []
-    loss_token_counts: list[int] = []
+    loss_token_counts: list[Any] = []  # one device scalar a step
     model.train()
     for step in range(progress.step + 1, progress.total_steps + 1):
         # -- one optimizer step over the global batch (this process's rows of each micro-batch) --
         micro = [batches.collate([dataset[i] for i in rows], rt.device) for rows in order.micro_batches(step)]
         items = runtime.all_reduce_sum(sum(batches.loss_tokens(b) for b in micro).to(torch.float32))
-        step_loss = torch.zeros((), dtype=torch.float64)
+        step_loss = on_device()
         for batch in micro:
             loss = model(**batch, num_items_in_batch=items).loss
             (loss * rt.world_size).backward()  # FSDP2 averages over the processes: undo it
-            step_loss += loss.detach().to(torch.float64).cpu()
+            step_loss += loss.detach().float()
         grad_norm = (
             torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
             if training.max_grad_norm > 0
@@ -247,7 +253,7 @@ def _train(
         progress.step = step
         step_times.append(time.monotonic())
         positions.append(len(micro) * micro[0]["input_ids"].numel() * rt.world_size)
-        loss_token_counts.append(int(items))
+        loss_token_counts.append(items.detach())
         attempt.step_ended()
         stopper.training_started()
         saves.record(manager.poll())
@@ -261,8 +267,8 @@ def _train(
         pending_steps += 1
         logged: float | None = None
         if step % training.logging_steps == 0 or step == progress.total_steps:
-            logged = float(runtime.all_reduce_sum(pending_loss)) / pending_steps
-            pending_loss, pending_steps = torch.zeros((), dtype=torch.float64), 0
+            logged = float(runtime.all_reduce_sum(pending_loss.to(torch.float64).cpu())) / pending_steps
+            pending_loss, pending_steps = on_device(), 0
             record.losses[step] = logged
             record.learning_rates[step] = learning_rate
             entry: dict[str, Any] = {"epoch": progress.epoch, "learning_rate": learning_rate, "loss": logged}
@@ -316,7 +322,7 @@ def _train(
         if decision.stop:
             break
     record.tokens = sum(positions)
-    record.loss_tokens = sum(loss_token_counts)
+    record.loss_tokens = int(torch.stack(loss_token_counts).double().sum()) if loss_token_counts else 0
     record.step_seconds = [round(b - a, 4) for a, b in itertools.pairwise(step_times)]
     if len(step_times) > 1:
         record.tokens_per_second = round(sum(positions[1:]) / (step_times[-1] - step_times[0]), 1)
