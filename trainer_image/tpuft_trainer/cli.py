@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -80,10 +81,21 @@ def train(config_path: Path) -> None:
 
     from tpuft_trainer.train import run
 
+    _run_to_exit(run, config)
+
+
+def _run_to_exit(
+    run: Callable[[TrainerConfig], Any],
+    config: TrainerConfig,
+    noted: Callable[[int], None] = lambda code: None,
+) -> NoReturn:
+    """Runs a training loop (either backend's) and exits with its outcome's code, logged as the
+    operator's failure split reads it; ``noted`` hears the code first (the native launcher's note)."""
     try:
         record = run(config)
     except StoppedAfterCheckpoint as stopped:
         log.warning("%s (exit %d)", stopped, stopped.exit_code)
+        noted(stopped.exit_code)
         end(stopped.exit_code)
     except Exception as error:
         code = exit_code_for(error)
@@ -91,8 +103,10 @@ def train(config_path: Path) -> None:
             log.exception("training failed (infrastructure or unknown error; the JobSet may restart it)")
         else:
             log.error("training failed (%s, exit %d): %s", ExitCode(code).name, code, error)
+        noted(code)
         end(code)
     log.info("done: %d steps in %.1f s", record.final_step, record.seconds)
+    noted(ExitCode.OK)
     end(ExitCode.OK)
 
 
@@ -114,23 +128,7 @@ def _train_native(config: TrainerConfig, config_path: Path) -> NoReturn:
         end(code)
     from tpuft_trainer.native.loop import run
 
-    try:
-        record = run(config)
-    except StoppedAfterCheckpoint as stopped:
-        log.warning("%s (exit %d)", stopped, stopped.exit_code)
-        launcher.note_exit(stopped.exit_code)
-        end(stopped.exit_code)
-    except Exception as error:
-        code = exit_code_for(error)
-        if code == 1:
-            log.exception("training failed (infrastructure or unknown error; the JobSet may restart it)")
-        else:
-            log.error("training failed (%s, exit %d): %s", ExitCode(code).name, code, error)
-        launcher.note_exit(code)
-        end(code)
-    log.info("done: %d steps in %.1f s", record.final_step, record.seconds)
-    launcher.note_exit(ExitCode.OK)
-    end(ExitCode.OK)
+    _run_to_exit(run, config, noted=launcher.note_exit)
 
 
 def _load_config(config_path: Path, summary_file: Path | None = None) -> TrainerConfig:
