@@ -55,6 +55,7 @@ TRAINING = {"max_steps": STEPS, "save_steps": 2}
 # native at most 2.4e-7 from the xla run over steps 5-6 (3 runs); a resume at a wrong step is off by
 # more than 0.2 (consecutive steps' losses differ by 0.2-0.8). The margin is for other CPUs' kernels.
 ACROSS_BACKENDS = 1e-5
+PEAK_FLOPS = 1e12  # a made-up chip peak, so both backends' records carry an MFU to compare
 
 
 @functools.cache
@@ -98,7 +99,7 @@ def native_config(chips: int) -> tuple[Path, Path]:
     body = {
         "backend": "native",
         "training": {"per_device_batch_size": 8 // chips, **TRAINING},
-        "world": {"chips_per_host": chips},
+        "world": {"chips_per_host": chips, "peak_flops_per_chip": PEAK_FLOPS},
     }
     return write_config(body)
 
@@ -324,6 +325,11 @@ def test_checkpoints_cross_backends(pool: Pool) -> None:
     native = metrics(by_native)
     assert native["resumed_from"] == "checkpoint-4" and native["model_load"]["weights_from"] == "checkpoint"
     assert losses(native) == pytest.approx(_steps(xla, 5), abs=ACROSS_BACKENDS, rel=0)
+    # The same model FLOPs per token on both backends, and MFU from the same formula (throughput.py).
+    assert native["flops_per_token"] == xla["flops_per_token"] > 0
+    for record in (native, xla):
+        expected = record["tokens_per_second"] * record["flops_per_token"] / (2 * PEAK_FLOPS)
+        assert record["mfu"] == pytest.approx(expected, rel=1e-9)
     # Each checkpoint says who wrote it.
     for output, backend, torch_major in ((two_out, "native", "2.15."), (by_xla, "xla", "2.9.")):
         writer = json.loads((output / "checkpoint-6" / layout.WRITER).read_text())

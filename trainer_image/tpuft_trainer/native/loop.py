@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from tpuft_trainer import data, device_access, evaluation, export, host_memory, recipe, storage
+from tpuft_trainer import data, device_access, evaluation, export, host_memory, recipe, storage, throughput
 from tpuft_trainer import stop as stop_module
 from tpuft_trainer.attempt import Attempt, process_start_time
 from tpuft_trainer.checkpoint import layout
@@ -109,6 +109,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         "seconds": round(time.monotonic() - load_started, 2),
     }
     record.checkpointed_blocks = built.wrapped_layers if config.fsdp.gradient_checkpointing else 0
+    # The xla path's model FLOPs (throughput.py): DTensor parameters count their global elements.
+    flops = throughput.model_flops(model)
     record.parameter_sharding = {name: _placement(param) for name, param in model.named_parameters()}
     if config.dataset.packing and (refusal := packing.packing_refusal(model)):
         raise ConfigError(refusal)
@@ -168,6 +170,10 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         stopper.close(wait=False)
         raise
     stopper.close()
+    record.flops_per_token = flops.per_token(training.max_seq_length)
+    record.mfu = throughput.mfu(
+        record.tokens_per_second, record.flops_per_token, rt.world_size, config.world.peak_flops_per_chip
+    )
     record.peak_rss["train"] = host_memory.part_peak()
     record.attempt = attempt.to_record()
     record.stop_channel_wait_seconds = round(getattr(stopper.channel, "wait_seconds", 0.0), 3)
