@@ -1,12 +1,13 @@
 """A `backend: native` run through the local cluster, for real: its prepare pod's `tpuft prepare` and its
 TPU pods' `tpuft train` run on this host in the native venv (`scripts/venv.sh native`: torch 2.15, no
-torch_xla), as the native image would run them. A v5e 2x4 slice: 2 hosts (pods) of 4 chips. Each pod's
-`tpuft train` is the native launcher; it starts 4 worker processes (gloo on CPU), and the 8 meet across
-the two pods at the rendezvous the executor points at this host (one port for the JobSet), train the
-tiny model with FSDP2, report progress from rank 0 with the pod's own token, and export the model. The
-run goes Preparing -> Pending -> Running -> Succeeded with the native backend's caveat in its conditions.
-(Two hosts rather than one: the cross-pod rendezvous is what only this test shows; it costs ~13 s more
-than a 2x2 host on a loaded 2-core machine.)"""
+torch_xla), as the native image would run them. Two v5e 2x4 slices: 2 Jobs (one per slice) of 2 hosts
+(pods) of 4 chips. Each pod's `tpuft train` is the native launcher; it starts 4 worker processes (gloo
+on CPU), and the 16 meet across the four pods and the two Jobs at the rendezvous the executor points
+at this host (one port for the JobSet), ranked slice by slice, train the tiny model with FSDP2 sharded
+within a slice and replicated across the two (HSDP), report progress from rank 0 with the pod's own
+token, and export the model. The run goes Preparing -> Pending -> Running -> Succeeded with the native
+backend's caveat in its conditions. (Two slices of two hosts: the smallest native multislice the API
+admits, since GKE joins only multi-host slices; it covers a slice's hosts meeting too.)"""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ from tpuft_trainer.pod_contract import NATIVE_MASTER_PORT
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.trainer]
 
 STEPS = 4
-TOPOLOGY = "2x4"  # v5e: 2 hosts of 4 chips
-HOSTS, CHIPS_PER_HOST = 2, 4
+TOPOLOGY = "2x4"  # v5e: 2 hosts of 4 chips a slice
+SLICES, HOSTS_PER_SLICE, CHIPS_PER_HOST = 2, 2, 4
+HOSTS = SLICES * HOSTS_PER_SLICE
 WORKERS = HOSTS * CHIPS_PER_HOST
 
 
@@ -83,13 +85,18 @@ def test_a_native_run_trains_one_process_per_chip_and_succeeds(
 ) -> None:
     venv_python = native_python()  # a missing venv fails here, saying `scripts/venv.sh native`
     root = copy_assets(tiny_assets, tmp_path / "work")
-    local_cluster.add_nodepool("v5e", TOPOLOGY, prefix=unique("cpu"))
+    local_cluster.add_nodepool("v5e", TOPOLOGY, slices=SLICES, prefix=unique("cpu"))
     executor = LocalExecutor(local_cluster, namespace, tmp_path / "pods")
     caplog.set_level(logging.INFO, logger="tpuft.executor")
     executor.start()
     try:
         run = host_run(
-            "nat", namespace, root, STEPS, backend="native", tpu={"type": "v5e", "topology": TOPOLOGY}
+            "nat",
+            namespace,
+            root,
+            STEPS,
+            backend="native",
+            tpu={"type": "v5e", "topology": TOPOLOGY, "slices": SLICES},
         )
         local_cluster.apply([run])
         watch = PhaseWatch(local_cluster, namespace, "nat")
@@ -117,15 +124,21 @@ def test_a_native_run_trains_one_process_per_chip_and_succeeds(
     pods = get_json(local_cluster, "pods", "-n", namespace, "-l", tpu_pods_of("nat"))["items"]
     assert len(pods) == HOSTS
     ports = set()
+    nodes = set()
     for pod in pods:
         # The native image's pod, with the launch environment the operator renders...
         (container,) = pod["spec"]["containers"]
         assert container["image"] == DEFAULT_TRAINER_IMAGE_NATIVE
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert (env["TORCH_TPU_DEVICES_PER_HOST"], env["NNODES"]) == (str(CHIPS_PER_HOST), str(HOSTS))
+        assert env["MEGASCALE_NUM_SLICES"] == str(SLICES)
         assert env["MASTER_ADDR"].endswith(f".{done['status']['jobSetName']}")  # a cluster DNS name...
         # ...which the executor pointed at this host, on a port of the JobSet's (not the rendered one).
-        node = int(pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"])
+        # Slice-major: the slice's Job index, then the host's completion index within its slice.
+        slice_index = int(pod["metadata"]["labels"]["jobset.sigs.k8s.io/job-index"])
+        host = int(pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"])
+        node = slice_index * HOSTS_PER_SLICE + host
+        nodes.add(node)
         (pod_log,) = [text for name, text in logs.items() if name.startswith(pod["metadata"]["name"])]
         launch = re.search(
             r"native backend: (\d+) process\(es\) on this host \(one per chip\), (\d+) host.*", pod_log
@@ -136,15 +149,21 @@ def test_a_native_run_trains_one_process_per_chip_and_succeeds(
         port = re.search(r"--master-port=(\d+)", launch[0])
         assert port is not None and int(port[1]) != NATIVE_MASTER_PORT, launch[0]
         ports.add(port[1])
-        # One worker per chip really ran on this host: each one's own line, the host's block of ranks.
-        ranks = re.findall(rf"native backend: rank (\d+) of {WORKERS} on cpu \(gloo\)", pod_log)
+        # One worker per chip really ran on this host: each one's own line, the host's block of ranks,
+        # in a mesh whose dcn axis is the slices (fsdp groups of one slice's chips).
+        ranks = re.findall(
+            rf"native backend: rank (\d+) of {WORKERS} on cpu \(gloo\), mesh dcn={SLICES} x data=1 "
+            rf"x fsdp={HOSTS_PER_SLICE * CHIPS_PER_HOST}",
+            pod_log,
+        )
         first = node * CHIPS_PER_HOST
         assert sorted(int(r) for r in ranks) == list(range(first, first + CHIPS_PER_HOST)), (node, ranks)
-        # Rank 0 (on host 0) reports the progress; the others train without a word of it.
+        # Rank 0 (on host 0 of slice 0) reports the progress; the others train without a word of it.
         assert ("progress: step 4/4" in pod_log) is (node == 0), node
         # The data was prepared once, by the prepare pod, and every worker read it.
         assert pod_log.count("prepared before, read memory-mapped") == CHIPS_PER_HOST, node
-    assert len(ports) == 1, ports  # both hosts met at one rendezvous
+    assert nodes == set(range(HOSTS)), nodes  # every node rank once, both slices' hosts
+    assert len(ports) == 1, ports  # every host of both slices met at one rendezvous
 
     progress = done["status"]["progress"]
     assert progress["step"] == progress["totalSteps"] == STEPS, progress
@@ -157,10 +176,11 @@ def test_a_native_run_trains_one_process_per_chip_and_succeeds(
         "False",
         trainer_stack.REASON_NATIVE,
     )
-    # The final model, exported in the standard format, by one FSDP2 run of 8 processes.
+    # The final model, exported in the standard format, by one HSDP run of 16 processes.
     output = root / "output"
     assert (output / "model.safetensors").is_file()
     assert json.loads((output / "config.json").read_text())["hidden_size"] == 64
     record = json.loads((output / "tpuft-metrics.json").read_text())
     assert (record["final_step"], record["process_count"]) == (STEPS, WORKERS), record
-    assert record["mesh"]["fsdp"] == WORKERS, record["mesh"]
+    mesh = record["mesh"]
+    assert (mesh["dcn"], mesh["fsdp"]) == (SLICES, HOSTS_PER_SLICE * CHIPS_PER_HOST), mesh

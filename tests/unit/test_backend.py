@@ -70,15 +70,43 @@ def test_a_native_run_gets_the_native_image_the_same_command_and_the_launch_envi
     assert int(env["MASTER_PORT"]) == pod_contract.NATIVE_MASTER_PORT != DEFAULT_STOP_PORT
     assert run.trainer_config.stop.coordination_port != int(env["MASTER_PORT"])
     assert env["NNODES"] == str(hosts)
-    assert env["NODE_RANK"] == {
+    # The host's index in its slice; the launcher makes NODE_RANK of it and the slice index.
+    assert env[pod_contract.HOST_INDEX_ENV] == {
         "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
     }
+    assert "NODE_RANK" not in env
     assert env["TORCH_TPU_TOPOLOGY"] == "4x4"
     assert env["TORCH_TPU_DEVICES_PER_HOST"] == trainer["resources"]["limits"]["google.com/tpu"] == "4"
     assert env["TORCH_TPU_BASE_PORT"] == "8070"
     # What the wheel derives from GKE's variables, or each worker's own, is not rendered.
     for derived in ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TPU_WORKER_ID"):
         assert derived not in env
+    # One slice: no MegaScale (libtpu would start its client for one slice).
+    assert not set(env) & set(pod_contract.NATIVE_MULTISLICE_ENV)
+
+
+def test_a_native_multislice_run_counts_every_slices_hosts_and_points_megascale_at_the_first_pod() -> None:
+    run = render_run(run_of(tpu={"type": "v6e", "topology": "2x4", "slices": 2}))
+    names = [e["name"] for e in container(run.jobset)["env"]]
+    expected = (
+        pod_contract.RENDERED_ENV + pod_contract.NATIVE_RENDERED_ENV + pod_contract.NATIVE_MULTISLICE_ENV
+    )
+    assert tuple(names) == expected
+    env = env_of(run.jobset)
+    (job,) = run.jobset["spec"]["replicatedJobs"]
+    assert (job["replicas"], job["template"]["spec"]["parallelism"]) == (2, 2)  # a Job per slice
+    assert env["NNODES"] == "4"  # every slice's hosts, not one Job's
+    first_pod = f"{run.jobset_name}-{naming.REPLICATED_JOB}-0-0.{run.jobset_name}"
+    assert env["MASTER_ADDR"] == first_pod
+    # The port is part of the address: torch-tpu gives every worker its own MEGASCALE_PORT.
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"] == f"{first_pod}:{pod_contract.NATIVE_MEGASCALE_PORT}"
+    job_index = {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}
+    assert env["MEGASCALE_SLICE_ID"] == env[pod_contract.SLICE_INDEX_ENV] == job_index
+    assert env["MEGASCALE_NUM_SLICES"] == "2"
+    assert env["TORCH_TPU_TOPOLOGY"] == "2x4"  # one slice's, as the wheel reads it
+    # The trainer's mesh puts the slices on its dcn axis, and its world agrees with the environment.
+    config = run.trainer_config
+    assert (config.fsdp.mesh.dcn_data, config.world.slices, config.world.hosts_per_slice) == (2, 2, 2)
 
 
 def test_an_xla_run_renders_none_of_it() -> None:
@@ -137,11 +165,6 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             cel.NATIVE_DPO_MESSAGE,
         ),
         (
-            {"tpu": {"type": "v6e", "topology": "4x4", "slices": 2}},
-            "spec.tpu.slices",
-            cel.NATIVE_MULTISLICE_MESSAGE,
-        ),
-        (
             {"training": {"maxSteps": 10, "method": "lora"}},
             "spec.training.method",
             cel.NATIVE_LORA_MESSAGE,
@@ -152,7 +175,7 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             cel.NATIVE_TENSOR_MESSAGE,
         ),
     ],
-    ids=["xla-on-tpu7x", "native-dpo", "native-multislice", "native-lora", "native-tensor"],
+    ids=["xla-on-tpu7x", "native-dpo", "native-lora", "native-tensor"],
 )
 def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -165,7 +188,6 @@ def test_the_messages_say_why_and_what_to_do_instead() -> None:
     assert "TorchTPU" in cel.XLA_ON_TPU7X_MESSAGE and "set backend: native" in cel.XLA_ON_TPU7X_MESSAGE
     assert "objective dpo runs on backend xla only for now" in cel.NATIVE_DPO_MESSAGE
     assert "set backend: xla" in cel.NATIVE_DPO_MESSAGE
-    assert "MEGASCALE_" in cel.NATIVE_MULTISLICE_MESSAGE and "slices: 1" in cel.NATIVE_MULTISLICE_MESSAGE
     assert "method lora runs on backend xla only for now" in cel.NATIVE_LORA_MESSAGE
     assert "set backend: xla, or method: full" in cel.NATIVE_LORA_MESSAGE
     assert "tensor > 1 runs on backend xla only for now" in cel.NATIVE_TENSOR_MESSAGE

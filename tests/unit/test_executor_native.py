@@ -32,12 +32,12 @@ FIRST_HOST = "run-abc-slice-0-0.run-abc"
 
 
 def pod(
-    name: str, *, backend: str | None, jobset: str | None = "run-abc", attempt: str = "0"
+    name: str, *, backend: str | None, jobset: str | None = "run-abc", attempt: str = "0", job: int = 0
 ) -> dict[str, Any]:
     config = {"model": {"name": "m"}} | ({"backend": backend} if backend else {})
     labels = {"jobset.sigs.k8s.io/jobset-name": jobset} if jobset else {}
     if jobset:
-        labels["batch.kubernetes.io/job-name"] = f"{jobset}-slice-0"
+        labels["batch.kubernetes.io/job-name"] = f"{jobset}-slice-{job}"
     return {
         "spec": {"subdomain": jobset} if jobset else {},
         "metadata": {
@@ -68,7 +68,9 @@ def test_the_hosts_of_one_attempt_meet_on_one_loopback_port_and_no_one_else_does
     env = {"MASTER_ADDR": FIRST_HOST, "MASTER_PORT": "29400", "TPUFT_COORDINATOR_ADDRESS": FIRST_HOST}
     first = executor.native_rendezvous(pod("run-abc-slice-0-0", backend="native"), env)
     second = executor.native_rendezvous(pod("run-abc-slice-0-1", backend="native"), env)
-    assert first == second
+    # Another slice's Job of the same JobSet meets there too.
+    other_slice = executor.native_rendezvous(pod("run-abc-slice-1-0", backend="native", job=1), env)
+    assert first == second == other_slice
     assert first["MASTER_ADDR"] == first["TPUFT_COORDINATOR_ADDRESS"] == "127.0.0.1"
     assert first["MASTER_PORT"] != "29400" and 0 < int(first["MASTER_PORT"]) < 65536
     other_run = executor.native_rendezvous(pod("x", backend="native", jobset="other"), env)
@@ -94,6 +96,16 @@ def test_a_host_of_a_native_job_gets_what_gkes_tpu_webhook_would_set() -> None:
     # On a real node GKE set them already; a pod that is no Indexed Job's host gets none.
     assert tpu_webhook_env(host, {**env, "TPU_WORKER_HOSTNAMES": "a,b"}) == {}
     assert tpu_webhook_env(host, {"NNODES": "2"}) == {}
+
+
+def test_a_host_of_a_native_multislice_job_is_listed_with_its_own_slices_hosts_only() -> None:
+    """GKE's webhook lists the hosts of the pod's own Job: NNODES counts every slice's hosts."""
+    host = pod("run-abc-slice-1-0", backend="native", job=1)
+    env = {"JOB_COMPLETION_INDEX": "0", "NNODES": "4", "MEGASCALE_NUM_SLICES": "2"}
+    assert tpu_webhook_env(host, env) == {
+        "TPU_WORKER_ID": "0",
+        "TPU_WORKER_HOSTNAMES": "run-abc-slice-1-0.run-abc,run-abc-slice-1-1.run-abc",
+    }
 
 
 def test_a_missing_native_venv_says_how_to_make_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

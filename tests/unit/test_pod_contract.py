@@ -77,6 +77,8 @@ def test_every_name_the_renderer_adds_to_the_pod_is_reserved(doc: dict[str, Any]
     assert own_env[-1] == SETTINGS.token_env == pod_contract.DEFAULT_TOKEN_ENV
     assert env_reserved(SETTINGS.token_env)
     native = pod_contract.NATIVE_RENDERED_ENV if spec.get("backend") == "native" else ()
+    if native and spec["tpu"].get("slices", 1) > 1:
+        native += pod_contract.NATIVE_MULTISLICE_ENV
     assert tuple(own_env[:-1]) == pod_contract.RENDERED_ENV + native
     assert set(own_env[:-1]) <= pod_contract.RESERVED_ENV
 

@@ -35,7 +35,7 @@ REQUEST_FILE: Final = "checkpoint-request"
 # -------------------------------------------------------------------------- environment variables
 
 # Set by the renderer (downward API: the JobSet's job-index label); read by world.detect_world when
-# MEGASCALE_SLICE_ID is absent.
+# MEGASCALE_SLICE_ID is absent, and by the native launcher (the two must agree there).
 SLICE_INDEX_ENV: Final = "TPUFT_SLICE_INDEX"
 # Set by the renderer (downward API: the JobSet's restart-attempt annotation); read by world.detect_world.
 RESTART_ATTEMPT_ENV: Final = "TPUFT_RESTART_ATTEMPT"
@@ -55,9 +55,11 @@ JOB_COMPLETION_INDEX_ENV: Final = "JOB_COMPLETION_INDEX"
 TPU_WORKER_ID_ENV: Final = "TPU_WORKER_ID"
 # Set by GKE's TPU webhook; read by world.detect_world (every host of the slice listed) and PJRT.
 TPU_WORKER_HOSTNAMES_ENV: Final = "TPU_WORKER_HOSTNAMES"
-# Set by GKE on multislice pods; read by world.detect_world (slice index) and PJRT.
+# Set by GKE on multislice pods, and by the renderer on native ones (NATIVE_MULTISLICE_ENV); read by
+# world.detect_world (slice index) and PJRT.
 MEGASCALE_SLICE_ID_ENV: Final = "MEGASCALE_SLICE_ID"
-# Set by GKE on multislice pods; read by world.detect_world (must equal the config's slices) and PJRT.
+# Set by GKE on multislice pods, and by the renderer on native ones (NATIVE_MULTISLICE_ENV); read by
+# world.detect_world (must equal the config's slices) and PJRT.
 MEGASCALE_NUM_SLICES_ENV: Final = "MEGASCALE_NUM_SLICES"
 
 # ------------------------------------------------ backend native: torch.distributed and TorchTPU
@@ -65,12 +67,19 @@ MEGASCALE_NUM_SLICES_ENV: Final = "MEGASCALE_NUM_SLICES"
 # where torch-tpu 0.2.0 reads each); read by the trainer's native launcher, which starts one process
 # per chip with torch.distributed's elastic agent, and by torch-tpu's set_tpu_launch_env, which never
 # overwrites a variable already set and derives the rest (TORCH_TPU_SLICEBUILDER_ADDRESSES from GKE's
-# TPU_WORKER_HOSTNAMES) before the workers start.
-# Hosts of the run (all of one slice: native runs one slice): the launcher's nnodes.
+# TPU_WORKER_HOSTNAMES, one slice's hosts) before the workers start.
+# Hosts of the run, every slice's (slices x hosts per slice): the launcher's nnodes.
 NNODES_ENV: Final = "NNODES"
-# This host's rank among them: the pod's completion index (the order of TPU_WORKER_HOSTNAMES).
+# This host's rank among them, slice-major (slice index x hosts per slice + host index). Never
+# rendered: the downward API cannot multiply, so the launcher computes it from SLICE_INDEX_ENV and
+# HOST_INDEX_ENV and sets it before set_tpu_launch_env (which would otherwise derive a rank within
+# one slice); one set by hand must agree.
 NODE_RANK_ENV: Final = "NODE_RANK"
-# The first pod's stable hostname, and the port of the rendezvous store of torch.distributed there.
+# Set by the renderer (downward API: the pod's completion index, its place in TPU_WORKER_HOSTNAMES);
+# read by the native launcher: this host's index within its slice.
+HOST_INDEX_ENV: Final = "TPUFT_HOST_INDEX"
+# The first pod of the first slice's stable hostname, and the port of the rendezvous store of
+# torch.distributed there.
 MASTER_ADDR_ENV: Final = "MASTER_ADDR"
 MASTER_PORT_ENV: Final = "MASTER_PORT"
 # Not torch's 29500: the trainer's stop channel (stop.py, StopConfig.coordination_port) listens there
@@ -85,12 +94,24 @@ TORCH_TPU_BASE_PORT: Final = 8070
 # The variables a native run's pods get besides RENDERED_ENV (render/native_env.py, in this order).
 NATIVE_RENDERED_ENV: Final = (
     NNODES_ENV,
-    NODE_RANK_ENV,
+    HOST_INDEX_ENV,
     MASTER_ADDR_ENV,
     MASTER_PORT_ENV,
     TORCH_TPU_TOPOLOGY_ENV,
     TORCH_TPU_DEVICES_PER_HOST_ENV,
     TORCH_TPU_BASE_PORT_ENV,
+)
+# Set by the renderer on a native run of several slices only; read by libtpu, whose MegaScale client
+# joins the slices over DCN (torch-tpu 0.2.0's device_mesh.py:330-341 names the three), and
+# MEGASCALE_SLICE_ID / MEGASCALE_NUM_SLICES by world.detect_world too. The coordinator is the first
+# pod of the first slice at NATIVE_MEGASCALE_PORT, port included: torch-tpu gives each worker its own
+# MEGASCALE_PORT (8080 + 2 x local rank), which libtpu would append to a bare host.
+MEGASCALE_COORDINATOR_ADDRESS_ENV: Final = "MEGASCALE_COORDINATOR_ADDRESS"
+NATIVE_MEGASCALE_PORT: Final = 8080
+NATIVE_MULTISLICE_ENV: Final = (
+    MEGASCALE_COORDINATOR_ADDRESS_ENV,
+    MEGASCALE_SLICE_ID_ENV,
+    MEGASCALE_NUM_SLICES_ENV,
 )
 
 # Set by the native launcher for the workers it starts, never rendered: the directory where each
@@ -132,6 +153,9 @@ RESERVED_ENV: Final = frozenset(
     {
         *RENDERED_ENV,
         *NATIVE_RENDERED_ENV,
+        NODE_RANK_ENV,
+        # Rendered on native multislice pods only, reserved for every backend: on xla GKE sets them.
+        *NATIVE_MULTISLICE_ENV,
         JOB_COMPLETION_INDEX_ENV,
         TPU_WORKER_ID_ENV,
         TPU_WORKER_HOSTNAMES_ENV,

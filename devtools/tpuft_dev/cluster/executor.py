@@ -63,6 +63,7 @@ from tpuft_trainer.pod_contract import (
     JOB_COMPLETION_INDEX_ENV,
     MASTER_ADDR_ENV,
     MASTER_PORT_ENV,
+    MEGASCALE_NUM_SLICES_ENV,
     NNODES_ENV,
     TPU_WORKER_HOSTNAMES_ENV,
     TPU_WORKER_ID_ENV,
@@ -134,18 +135,21 @@ def native_python() -> str:
 
 def tpu_webhook_env(pod: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
     """What GKE's TPU webhook sets on the pods of an Indexed Job with a subdomain, and kwok does not:
-    TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (every host's stable name, in
-    completion-index order), which the trainer counts against the job's hosts before it will launch
-    (world.detect_world). The hosts' count is the NNODES the renderer sets on native pods (one slice).
-    Given only to native pods: their processes meet at MASTER_ADDR, rewritten to this host; an xla pod
-    of several hosts would start as an independent copy here, and is better refused by that check."""
+    TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (every host of the pod's own Job,
+    i.e. its slice, by stable name, in completion-index order), which the trainer counts against the
+    job's hosts per slice before it will launch (world.detect_world). The hosts of a slice: the NNODES
+    the renderer sets on native pods (every slice's hosts) over MEGASCALE_NUM_SLICES (rendered on native
+    pods of several slices). Given only to native pods: their processes meet at MASTER_ADDR, rewritten
+    to this host; an xla pod of several hosts would start as an independent copy here, and is better
+    refused by that check."""
     index = env.get(JOB_COMPLETION_INDEX_ENV)
     hosts = env.get(NNODES_ENV)
+    slices = int(env.get(MEGASCALE_NUM_SLICES_ENV) or 1)
     job = (pod["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
     subdomain = pod["spec"].get("subdomain")
     if TPU_WORKER_HOSTNAMES_ENV in env or None in (index, hosts, job, subdomain):
         return {}  # set already (a real node), or not a pod the webhook would touch
-    names = [f"{job}-{i}.{subdomain}" for i in range(int(str(hosts)))]
+    names = [f"{job}-{i}.{subdomain}" for i in range(int(str(hosts)) // slices)]
     return {TPU_WORKER_ID_ENV: str(index), TPU_WORKER_HOSTNAMES_ENV: ",".join(names)}
 
 
@@ -462,9 +466,9 @@ class LocalExecutor:
         return env
 
     def native_rendezvous(self, pod: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
-        """A native pod's rendezvous, made to work on this host: MASTER_ADDR (the first pod's cluster
-        DNS name) becomes 127.0.0.1, and MASTER_PORT a free port shared by every pod of the same JobSet
-        and restart attempt (one per attempt: a restarted group never meets a port the previous one
+        """A native pod's rendezvous, made to work on this host: MASTER_ADDR (the first pod of the first
+        slice's cluster DNS name) becomes 127.0.0.1, and MASTER_PORT a free port shared by every pod of
+        the same JobSet (every slice's Job) and restart attempt (one per attempt: a restarted group never meets a port the previous one
         may still hold), so concurrent runs never meet each other. TPUFT_COORDINATOR_ADDRESS (the same
         DNS name) is pointed here too, though the native trainer's stop channel rides its own
         torch.distributed group and does not dial it."""

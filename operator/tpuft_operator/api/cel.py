@@ -290,11 +290,6 @@ XLA_ON_TPU7X_MESSAGE = (
 NATIVE_DPO_MESSAGE = (
     "objective dpo runs on backend xla only for now (the native backend trains sft); set backend: xla"
 )
-NATIVE_MULTISLICE_MESSAGE = (
-    "backend native runs on one slice only for now: torch-tpu 0.2.0 derives its launch environment "
-    "within one slice, and its only multislice path (libtpu's MegaScale client, MEGASCALE_* variables) "
-    "is neither wired nor verified by tpuft; use backend xla for multislice, or slices: 1"
-)
 # The trainer refuses these two too (tpuft_trainer/config.py, TrainerConfig's validators); here they are
 # refused at `kubectl apply`, on the field to change, before a prepare Job or a TPU.
 NATIVE_LORA_MESSAGE = (
@@ -310,7 +305,7 @@ _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
 def _backend_rules() -> list[Rule]:
     """Each refusal on the field a person would change: backend for tpu7x, the objective for DPO, the
-    slices for multislice, the method for LoRA, the mesh's tensor axis for tensor parallelism
+    method for LoRA, the mesh's tensor axis for tensor parallelism
     (spec.backend defaults to xla, so a spec without it is an xla run)."""
     return [
         {
@@ -323,12 +318,6 @@ def _backend_rules() -> list[Rule]:
             "rule": f"!{_NATIVE} || !has(self.training.objective) || self.training.objective != 'dpo'",
             "message": NATIVE_DPO_MESSAGE,
             "fieldPath": ".training.objective",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": f"!{_NATIVE} || !has(self.tpu.slices) || self.tpu.slices <= 1",
-            "message": NATIVE_MULTISLICE_MESSAGE,
-            "fieldPath": ".tpu.slices",
             "reason": "FieldValueInvalid",
         },
         {

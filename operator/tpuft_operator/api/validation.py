@@ -37,7 +37,6 @@ from tpuft_operator.api.cel import (
     EVAL_STEPS_MESSAGE,
     NATIVE_DPO_MESSAGE,
     NATIVE_LORA_MESSAGE,
-    NATIVE_MULTISLICE_MESSAGE,
     NATIVE_TENSOR_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
@@ -354,8 +353,6 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
     if spec.backend == "native" and training.objective == "dpo":
         errors.append(FieldError("spec.training.objective", NATIVE_DPO_MESSAGE))
-    if spec.backend == "native" and spec.tpu.slices > 1:
-        errors.append(FieldError("spec.tpu.slices", NATIVE_MULTISLICE_MESSAGE))
     if spec.backend == "native" and training.method == "lora":
         errors.append(FieldError("spec.training.method", NATIVE_LORA_MESSAGE))
     if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:

@@ -22,7 +22,7 @@ from tpuft_operator.api.models import TPUFineTune
 from tpuft_operator.api.resources import FINETUNE, JOBSET
 from tpuft_operator.plan import pods_grace_seconds
 from tpuft_operator.render import naming
-from tpuft_operator.render.native_env import native_env
+from tpuft_operator.render.native_env import JOB_INDEX_LABEL, native_env
 from tpuft_operator.render.settings import RenderSettings
 from tpuft_operator.topology import (
     ACCELERATOR_LABEL,
@@ -71,7 +71,6 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
-JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 
 
 def owner_reference(ft: TPUFineTune) -> list[Obj]:

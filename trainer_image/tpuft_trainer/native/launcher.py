@@ -3,17 +3,27 @@
 TorchTPU (like every torch-native accelerator stack) runs one process per chip. The pods' command stays
 `tpuft train --config FILE` for both backends: with backend native, the process the pod starts is
 the *launcher*; it runs torch.distributed's elastic agent in-process (what `torchrun` runs) with
-``nproc_per_node = world.chips_per_host`` and ``nnodes = slices x hosts_per_slice``, this host's node
-rank from ``NODE_RANK`` (the operator pins it to the pod's completion index; without it
-``TPU_WORKER_ID``, then ``JOB_COMPLETION_INDEX``, and the slice index), and a static rendezvous over the
-c10d store at ``MASTER_ADDR:MASTER_PORT`` (the first pod's stable hostname, set by the operator). Each
-worker runs the same command again; it sees the agent's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and trains.
+``nproc_per_node = world.chips_per_host`` and ``nnodes = slices x hosts_per_slice``, and a static
+rendezvous over the c10d store at ``MASTER_ADDR:MASTER_PORT`` (the first pod of the first slice's
+stable hostname, set by the operator). This host's node rank is slice-major: slice index x
+hosts_per_slice + host index, the slice index from ``TPUFT_SLICE_INDEX`` (the JobSet's job index;
+``MEGASCALE_SLICE_ID`` must agree), the host index from ``TPUFT_HOST_INDEX`` (the operator pins it to
+the pod's completion index; without it ``TPU_WORKER_ID``, then ``JOB_COMPLETION_INDEX``). The
+operator renders both numbers, the downward API cannot multiply them; a ``NODE_RANK`` already in the
+environment must agree. So global ranks run slice by slice, and the runtime's mesh (replicate = dcn x
+data outermost, fsdp innermost; native/runtime.py) keeps every fsdp group inside one slice: FSDP2
+shards within a slice and replicates across slices (HSDP), with ``fsdp.mesh.dcn_data`` = slices.
+Each worker runs the same command again; it sees the agent's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``
+and trains.
 
 On a TPU host (torch-tpu importable) the launcher first calls torch-tpu's ``set_tpu_launch_env``
 (torch_tpu/_internal/distributed/distributed.py:328 in the 0.2.0 wheel), once, before the workers
-start: it fills in the launch variables the operator did not pin (TORCH_TPU_SLICEBUILDER_ADDRESSES from
-GKE's TPU_WORKER_HOSTNAMES) and never overwrites one, and it checks ``nnodes`` against the hostnames.
-Not exercised here (no TPU): docs/trainer.md lists it among what only a slice verifies.
+start, with ``NNODES`` and ``NODE_RANK`` set: it fills in the launch variables the operator did not
+pin (TORCH_TPU_SLICEBUILDER_ADDRESSES from GKE's TPU_WORKER_HOSTNAMES, this slice's hosts) and never
+overwrites one. It is given this slice's host count, which it checks against those hostnames
+(distributed.py:367-376); with several slices libtpu's MegaScale client joins them
+(render/native_env.py says what the wheel reads). Not exercised here (no TPU): docs/trainer.md lists
+it among what only a slice verifies.
 
 Exit codes carry the operator's failure split (exit_codes.py), so the launcher must not turn them all
 into the agent's 1: each worker writes its code to a file in a directory the launcher names
@@ -40,12 +50,15 @@ from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.errors import WorldError
 from tpuft_trainer.exit_codes import ExitCode
 from tpuft_trainer.pod_contract import (
+    HOST_INDEX_ENV,
     MASTER_ADDR_ENV,
     MASTER_PORT_ENV,
+    MEGASCALE_SLICE_ID_ENV,
     NATIVE_EXIT_DIR_ENV,
     NATIVE_MASTER_PORT,
     NNODES_ENV,
     NODE_RANK_ENV,
+    SLICE_INDEX_ENV,
 )
 from tpuft_trainer.world import detect_world
 
@@ -70,6 +83,7 @@ class Launch:
     nnodes: int
     nproc_per_node: int
     node_rank: int
+    hosts_per_slice: int  # what torch-tpu's set_tpu_launch_env counts (one slice's hostnames)
     master_addr: str
     master_port: int
     shutdown_timeout: int
@@ -87,6 +101,16 @@ class Launch:
         ]
 
 
+def _index(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError as error:
+        raise WorldError(f"{name}={raw!r} is not an index") from error
+
+
 def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
     """This host's launch: a pure function of the configuration and the environment."""
     world = detect_world(config.world, env)
@@ -94,18 +118,39 @@ def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
     pinned_nodes = env.get(NNODES_ENV, "")
     if pinned_nodes and pinned_nodes != str(nnodes):
         raise WorldError(
-            f"{NNODES_ENV}={pinned_nodes} but the trainer config's world has {nnodes} hosts: the pod's "
-            "environment and its config were rendered for different shapes"
+            f"{NNODES_ENV}={pinned_nodes} but the trainer config's world has {nnodes} hosts "
+            f"({world.slices} slice(s) of {world.hosts_per_slice}): the pod's environment and its config "
+            "were rendered for different shapes"
         )
-    node_rank = world.process_index
-    pinned_rank = env.get(NODE_RANK_ENV, "")
-    if pinned_rank:
-        try:
-            node_rank = int(pinned_rank)
-        except ValueError as error:
-            raise WorldError(f"{NODE_RANK_ENV}={pinned_rank!r} is not a host index") from error
-        if not 0 <= node_rank < nnodes:
-            raise WorldError(f"{NODE_RANK_ENV}={node_rank} is not one of this job's {nnodes} hosts")
+    if config.fsdp.mesh.dcn_data != world.slices:
+        raise WorldError(
+            f"fsdp.mesh.dcn_data={config.fsdp.mesh.dcn_data} but the world has {world.slices} slice(s): "
+            "the mesh's dcn axis is the slices (FSDP2 shards within a slice, replicates across them)"
+        )
+    host_index = world.host_index
+    pinned_host = _index(env, HOST_INDEX_ENV)
+    if pinned_host is not None:
+        if not 0 <= pinned_host < world.hosts_per_slice:
+            raise WorldError(
+                f"{HOST_INDEX_ENV}={pinned_host} is not one of a slice's {world.hosts_per_slice} hosts"
+            )
+        host_index = pinned_host
+    # The slice index: world took MEGASCALE_SLICE_ID first (what libtpu's MegaScale client reads), then
+    # the JobSet's job index; the node ranks must order the slices as MegaScale does.
+    job_index = _index(env, SLICE_INDEX_ENV)
+    megascale = _index(env, MEGASCALE_SLICE_ID_ENV)
+    if job_index is not None and megascale is not None and job_index != megascale:
+        raise WorldError(
+            f"{MEGASCALE_SLICE_ID_ENV}={megascale} but {SLICE_INDEX_ENV}={job_index} (the JobSet's job "
+            "index): the slices' ranks would not match the slices libtpu joins"
+        )
+    node_rank = world.slice_index * world.hosts_per_slice + host_index
+    pinned_rank = _index(env, NODE_RANK_ENV)
+    if pinned_rank is not None and pinned_rank != node_rank:
+        raise WorldError(
+            f"{NODE_RANK_ENV}={pinned_rank} but this host is host {host_index} of slice "
+            f"{world.slice_index} ({world.hosts_per_slice} hosts a slice): node rank {node_rank}"
+        )
     address = env.get(MASTER_ADDR_ENV, "")
     if nnodes > 1 and not address:
         raise WorldError(
@@ -126,6 +171,7 @@ def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
         nnodes=nnodes,
         nproc_per_node=config.world.chips_per_host,
         node_rank=node_rank,
+        hosts_per_slice=world.hosts_per_slice,
         master_addr=address or "127.0.0.1",
         master_port=port,
         shutdown_timeout=max(1, int(config.stop.grace_seconds)),
@@ -145,6 +191,10 @@ def launch(config: TrainerConfig, config_path: Path, env: Mapping[str, str] | No
 
     env = os.environ if env is None else env
     plan = plan_launch(config, env)
+    # Before set_tpu_launch_env, which keeps what is set: every slice's hosts, and the slice-major rank
+    # (it would derive one within this slice). The workers inherit both.
+    os.environ[NNODES_ENV] = str(plan.nnodes)
+    os.environ[NODE_RANK_ENV] = str(plan.node_rank)
     _tpu_launch_env(plan)
     args = plan.torchrun_args(worker_program(config_path))
     log.info(
@@ -181,7 +231,9 @@ def _tpu_launch_env(plan: Launch) -> None:
     import torch
 
     tpu: Any = getattr(torch, "tpu")  # noqa: B009  (registered by torch_tpu at import: no stubs)
-    tpu.distributed.set_tpu_launch_env(nnodes=plan.nnodes, nproc_per_node=plan.nproc_per_node)
+    # This slice's hosts: the wheel checks nnodes against TPU_WORKER_HOSTNAMES (one slice's on GKE) and
+    # builds this slice's endpoints from them; NNODES (every slice's) is set already and kept.
+    tpu.distributed.set_tpu_launch_env(nnodes=plan.hosts_per_slice, nproc_per_node=plan.nproc_per_node)
 
 
 def note_exit(code: int, env: Mapping[str, str] | None = None) -> None:
