@@ -89,7 +89,7 @@ def test_cel_and_python_agree_on_every_shape() -> None:
 
 
 def test_cel_and_python_agree_on_every_backend_refusal() -> None:
-    """spec.backend's rules (xla refused on tpu7x; native refuses DPO, multislice, LoRA and a tensor
+    """spec.backend's rules (xla refused on tpu7x; native refuses multislice, LoRA and a tensor
     axis): the same verdict, and the same field, from the apiserver's CEL and from validation, over
     every combination."""
     cases = []
@@ -125,7 +125,6 @@ def test_cel_and_python_agree_on_every_backend_refusal() -> None:
         seen.update(fields)
     assert seen == {
         "spec.backend",
-        "spec.training.objective",
         "spec.tpu.slices",
         "spec.training.method",
         "spec.fsdp.mesh.tensor",

@@ -287,9 +287,6 @@ XLA_ON_TPU7X_MESSAGE = (
     "only), and Google points PyTorch users on Ironwood to TorchTPU; set backend: native (torch-native "
     "FSDP2 on TorchTPU)"
 )
-NATIVE_DPO_MESSAGE = (
-    "objective dpo runs on backend xla only for now (the native backend trains sft); set backend: xla"
-)
 NATIVE_MULTISLICE_MESSAGE = (
     "backend native runs on one slice only for now: torch-tpu 0.2.0 derives its launch environment "
     "within one slice, and its only multislice path (libtpu's MegaScale client, MEGASCALE_* variables) "
@@ -309,20 +306,13 @@ _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
 
 def _backend_rules() -> list[Rule]:
-    """Each refusal on the field a person would change: backend for tpu7x, the objective for DPO, the
-    slices for multislice, the method for LoRA, the mesh's tensor axis for tensor parallelism
+    """Each refusal on the field a person would change: backend for tpu7x, the slices for multislice, the method for LoRA, the mesh's tensor axis for tensor parallelism
     (spec.backend defaults to xla, so a spec without it is an xla run)."""
     return [
         {
             "rule": f"self.tpu.type != 'tpu7x' || {_NATIVE}",
             "message": XLA_ON_TPU7X_MESSAGE,
             "fieldPath": ".backend",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": f"!{_NATIVE} || !has(self.training.objective) || self.training.objective != 'dpo'",
-            "message": NATIVE_DPO_MESSAGE,
-            "fieldPath": ".training.objective",
             "reason": "FieldValueInvalid",
         },
         {

@@ -35,7 +35,6 @@ from tpuft_operator.api.cel import (
     EVAL_SOURCE_MESSAGE,
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
-    NATIVE_DPO_MESSAGE,
     NATIVE_LORA_MESSAGE,
     NATIVE_MULTISLICE_MESSAGE,
     NATIVE_TENSOR_MESSAGE,
@@ -352,8 +351,6 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     # spec.backend: the CEL rules of _backend_rules, in Python.
     if spec.tpu.type == "tpu7x" and spec.backend != "native":
         errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
-    if spec.backend == "native" and training.objective == "dpo":
-        errors.append(FieldError("spec.training.objective", NATIVE_DPO_MESSAGE))
     if spec.backend == "native" and spec.tpu.slices > 1:
         errors.append(FieldError("spec.tpu.slices", NATIVE_MULTISLICE_MESSAGE))
     if spec.backend == "native" and training.method == "lora":
