@@ -145,6 +145,19 @@ def dpo_terms(policy: Any, reference: Any, completion_mask: Any, settings: Setti
     return Terms(loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
+def reshard(model: Any) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards. A forward without a backward leaves the root's
+    parameters (embeddings, final norm, LM head) gathered, as FSDP2 keeps the root's after a forward
+    for the backward: on the frozen reference that holds them whole on every process for good, and on
+    the policy after an evaluation a save right after it would find gathered parameters where the
+    optimizer holds shards (``KeyError`` in checkpoint/state.py's names)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class Reference(Protocol):
     """Where the reference's log-probs come from."""
 
@@ -166,7 +179,9 @@ class FrozenCopy:
         import torch
 
         with torch.no_grad():
-            return sequence_log_probs(self.model, batch)
+            out = sequence_log_probs(self.model, batch)
+        reshard(self.model)
+        return out
 
     def sharding(self) -> dict[str, str]:
         return {name: str(tuple(getattr(p, "placements", ()))) for name, p in self.model.named_parameters()}
@@ -312,6 +327,7 @@ def evaluate(
                 )
                 total += torch.stack([(terms.loss.double().cpu() * counts).sum(), counts.sum()])
     finally:
+        reshard(policy)
         policy.train()
     runtime.all_reduce_sum(total)
     return float(total[0] / total[1].clamp(min=1))
