@@ -416,6 +416,7 @@ class _Evaluator:
                 batch = batches.collate([self.rows[i] for i in range(start, start + per)], self.rt.device)
                 summed = self.model(**batch, num_items_in_batch=1).loss
                 total += torch.stack([summed.detach().double().cpu(), batches.loss_tokens(batch).double()])
+        preference.reshard(self.model)  # else a save at this step finds the root's parameters gathered
         self.model.train()
         runtime.all_reduce_sum(total)
         return float(total[0] / total[1].clamp(min=1))
