@@ -9,7 +9,10 @@ global batch of 8 rows (per-device batch x processes), a checkpoint every 2 step
   uninterrupted run's losses exactly;
 - the meta-device model with a sliced safetensors load gives from_pretrained's logits;
 - checkpoints cross backends: a native one resumed by xla (torch 2.9 reading torch 2.15's index through
-  compat.read_dcp_index), and that xla run's checkpoint resumed by native.
+  compat.read_dcp_index), and that xla run's checkpoint resumed by native;
+- objective dpo: the xla DPO run of test_dpo (trl's DPOTrainer, 4 devices; the same session job) on 2
+  native processes gives trl's losses and reward figures; its checkpoint-4 resumed on 1 process
+  continues it exactly (2 -> 1), evaluation included.
 
 Two chains of runs on the session pool (2 workers), shared between the assertions: launches, not
 steps, are what costs here (each process imports torch and transformers), so every run serves several
@@ -38,6 +41,10 @@ import pytest
 import yaml
 from runs import losses, materials, metrics, write_config
 from spmd import Pool, Proc, run_train, spmd_env
+from test_dpo import LN2
+from test_dpo import STEPS as DPO_STEPS
+from test_dpo import full as xla_dpo
+from test_dpo import rendered_config as dpo_rendered_config
 
 from tpuft_trainer import compat
 from tpuft_trainer.checkpoint import layout
@@ -56,6 +63,11 @@ TRAINING = {"max_steps": STEPS, "save_steps": 2}
 # more than 0.2 (consecutive steps' losses differ by 0.2-0.8). The margin is for other CPUs' kernels.
 ACROSS_BACKENDS = 1e-5
 PEAK_FLOPS = 1e12  # a made-up chip peak, so both backends' records carry an MFU to compare
+# Native DPO (2 processes, trl's fused LM head and DPO loss) against trl's DPOTrainer on xla (4 CPU
+# devices), the same pairs, settings and order. Measured: losses within 8.9e-8, reward margins 2.4e-7,
+# accuracies equal (2 -> 1 from checkpoint-4: 3e-8). Mutations: beta 0.2 instead of 0.1 is off by 0.10
+# at step 2, a reference that is the policy by 0.12 (its loss stays ln 2).
+NATIVE_DPO_VS_TRL = 1e-5
 
 
 @functools.cache
@@ -219,9 +231,40 @@ def meta_load() -> dict[str, Any]:
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+def pairs_with_validation(directory: Path) -> Path:
+    """test_dpo's training pairs, in order, with 20 more as a "validation" split (20: the last
+    evaluation batch of 8 is partial, its places filled and not counted)."""
+    import tiny
+    from datasets import Dataset, DatasetDict
+
+    path = directory / "pairs-with-validation"
+    DatasetDict(
+        {
+            "train": Dataset.from_list(tiny.preference_pairs()),
+            "validation": Dataset.from_list(tiny.preference_pairs(20, seed=1)),
+        }
+    ).save_to_disk(str(path))
+    return path
+
+
+def dpo_then_resharded() -> dict[str, Any]:
+    """test_dpo's rendered DPO run (v5e 2x2: a global batch of 8 pairs, 8 steps, a checkpoint every 4)
+    on 2 native processes, evaluating the pairs every 4 steps; its checkpoint-4 resumed on 1 process."""
+    config, output = dpo_rendered_config()
+    two = on(config, "native-dpo.yaml", output, 2)
+    two = variant(two, "native-dpo.yaml", fsdp={"mesh": {}}, training={"eval_steps": 4},
+                  dataset={"name": str(pairs_with_validation(output.parent)), "eval_split": "validation"})  # fmt: skip
+    first = run_native(two)
+    on_one = keep_only(output, "checkpoint-4", output.parent / "dpo-on-one")
+    one = run_native(on(two, "native-dpo-one.yaml", on_one, 1))
+    return {"two": (first, output), "one": (one, on_one)}
+
+
 SPMD_JOBS = {
     "native:across": across_backends,
     "native:stopped": stopped_then_resharded,
+    "native:dpo": dpo_then_resharded,
+    "dpo:full": xla_dpo,  # test_dpo's, run once a session for both modules
 }
 
 
@@ -350,3 +393,51 @@ def test_torch_2_9_reads_torch_2_15s_index_only_through_compat(pool: Pool) -> No
     tensors = [m for m in metadata.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
     assert tensors and all(type(m.properties) is TensorProperties for m in tensors)
     assert layout.inspect(layout.Store(str(two_out)), "checkpoint-6").resumable
+
+
+def test_native_dpo_gives_trls_losses_and_resumes_on_one_process(pool: Pool) -> None:
+    """trl's DPOTrainer (xla, 4 devices) and the native loop (2 processes, then 1 from checkpoint-4)
+    on the same pairs: the same loss, reward margin and accuracy at every step."""
+    xla_proc, xla_output, _ = pool.get("dpo:full")
+    _ok(xla_proc)
+    trl = metrics(xla_output)
+    runs = pool.get("native:dpo")
+    two, two_out = runs["two"]
+    _ok(two)
+    record = metrics(two_out)
+    assert record["process_count"] == 2 and record["resumed_from"] is None
+    got = losses(record)
+    assert sorted(got) == list(range(1, DPO_STEPS + 1))
+    assert got[1] == pytest.approx(LN2, abs=1e-6)  # the policy starts as the reference
+    assert got[DPO_STEPS] < LN2 - 0.2, got  # it learns the preference
+    assert got == pytest.approx(losses(trl), abs=NATIVE_DPO_VS_TRL, rel=0)
+    for figure in ("reward_margins", "reward_accuracies"):
+        assert record[figure] == pytest.approx(trl[figure], abs=NATIVE_DPO_VS_TRL, rel=0), figure
+    assert record["tokens"] == trl["tokens"]  # two rows of maxSeqLength a pair, as trl pads them
+    # The frozen reference: sharded as the policy, rebuilt from the source (never in a checkpoint).
+    assert record["reference_sharding"] == record["parameter_sharding"]
+    assert all("Shard(dim=0)" in p for p in record["reference_sharding"].values())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(two_out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {f"train/rewards/{n}" for n in ("chosen", "rejected", "accuracies", "margins")} <= tags, tags
+    assert {"train/logps/chosen", "train/logps/rejected", "eval/loss"} <= tags, tags
+    margins = {e.step: e.value for e in events.Scalars("train/rewards/margins")}
+    assert margins == pytest.approx({int(k): v for k, v in record["reward_margins"].items()}, abs=1e-6)
+    # Evaluation: the mean DPO loss over the pairs, every 4 steps.
+    evals = {int(k): v for k, v in record["eval_losses"].items()}
+    assert sorted(evals) == [4, DPO_STEPS] and evals[DPO_STEPS] < evals[4] < LN2, evals
+    # 2 -> 1: one process resumes checkpoint-4 (the reference rebuilt from the source) and trains
+    # steps 5-8 as the two did, evaluation included.
+    one, one_out = runs["one"]
+    _ok(one)
+    resumed = metrics(one_out)
+    assert resumed["process_count"] == 1 and resumed["resumed_from"] == "checkpoint-4"
+    assert resumed["model_load"]["weights_from"] == "checkpoint"
+    assert losses(resumed) == pytest.approx(_steps(record, 5), abs=1e-6, rel=0)
+    assert resumed["reward_margins"] == pytest.approx(
+        {k: v for k, v in record["reward_margins"].items() if int(k) >= 5}, abs=1e-6, rel=0
+    )
+    assert resumed["eval_losses"][str(DPO_STEPS)] == pytest.approx(evals[DPO_STEPS], abs=1e-6)

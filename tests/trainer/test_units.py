@@ -618,6 +618,81 @@ def test_dpo_and_preference_need_each_other_in_the_trainer_config() -> None:
         }
     )
     assert ok.training.dpo_settings.beta == 0.1 and ok.training.dpo_settings.loss_type == "sigmoid"
+    native = TrainerConfig.model_validate({**ok.model_dump(), "backend": "native"})  # no longer refused
+    assert native.backend == "native" and native.training.objective == "dpo"
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+def test_the_native_dpo_loss_is_trls(loss_type: str) -> None:
+    """native/preference.py's loss and rewards against trl 1.16's own DPOTrainer._compute_loss (called on
+    a stand-in trainer whose models return the given per-token log-probs), for every loss type the
+    API offers, on completions of different lengths (ipo normalises by them; one with no prompt, whose
+    first token is never scored but is counted)."""
+    import types
+
+    import torch
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    from tpuft_trainer.native import preference
+
+    generator = torch.Generator().manual_seed(0)
+    pairs, length, beta = 3, 9, 0.3
+    completion = torch.zeros(2 * pairs, length, dtype=torch.long)
+    for row, (start, end) in enumerate([(0, 9), (3, 6), (1, 8), (4, 9), (2, 5), (3, 7)]):
+        completion[row, start:end] = 1
+    shifted = completion[:, 1:]
+
+    def per_token() -> Any:
+        return -torch.rand(2 * pairs, length - 1, generator=generator) * shifted
+
+    policy, reference = per_token().requires_grad_(), per_token()
+
+    def model_returning(log_probs: Any) -> Any:
+        zeros = torch.zeros_like(shifted, dtype=torch.float32)
+        out = types.SimpleNamespace(
+            log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+        )
+        return lambda **kwargs: out
+
+    trained = torch.nn.Module()  # the policy trl checks (training mode, no checkpointing, not peft)
+    trained.is_gradient_checkpointing = False
+    identity = types.SimpleNamespace(device="cpu", gather=lambda t: t, gather_for_metrics=lambda t: t)
+    stand_in = types.SimpleNamespace(
+        model=trained, accelerator=identity, aux_loss_enabled=False,
+        ld_alpha=None, precompute_ref_logps=False, ref_model=model_returning(reference), args=types.SimpleNamespace(
+            gradient_checkpointing_kwargs=None), f_divergence_type="reverse_kl", loss_types=[loss_type],
+        loss_weights=[1.0], beta=beta, label_smoothing=0.0, use_weighting=False, _total_train_tokens=0, _tp_size=1,
+        _metrics={"train": __import__("collections").defaultdict(list)},
+    )  # fmt: skip
+    ids = torch.zeros(2 * pairs, length, dtype=torch.long)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
+    trl_loss = DPOTrainer._compute_loss(stand_in, model_returning(policy), inputs, False)  # type: ignore[arg-type]
+
+    settings = preference.Settings(beta, loss_type, length, 0)
+    terms = preference.dpo_terms(policy.sum(1), reference.sum(1), completion, settings)
+    assert float(terms.loss.mean()) == pytest.approx(float(trl_loss), abs=1e-6)
+    metrics = stand_in._metrics["train"]
+    assert float(terms.chosen_rewards.mean()) == pytest.approx(metrics["rewards/chosen"][0], abs=1e-6)
+    assert float(terms.rejected_rewards.mean()) == pytest.approx(metrics["rewards/rejected"][0], abs=1e-6)
+    accuracy = float((terms.chosen_rewards > terms.rejected_rewards).float().mean())
+    assert accuracy == pytest.approx(metrics["rewards/accuracies"][0])
+    # The gradient too: the policy's log-probs get trl's.
+    (trl_grad,) = torch.autograd.grad(trl_loss, policy)
+    (ours,) = torch.autograd.grad(terms.loss.mean(), policy)
+    assert torch.allclose(ours, trl_grad, atol=1e-6)
+
+
+def test_every_evaluation_pair_is_counted_once_over_any_number_of_processes() -> None:
+    """native DPO evaluation: 20 pairs, global batches of 8 on 2 processes (4 each): 3 batches, the
+    last one's 4 missing places filled with pair 0, not counted; every process runs 3 forwards."""
+    from tpuft_trainer.native.preference import eval_rows
+
+    for processes in (1, 2, 4):
+        plans = [eval_rows(20, 8, rank, processes) for rank in range(processes)]
+        assert {len(plan) for plan in plans} == {3}
+        counted = sorted(i for plan in plans for batch in plan for i, counts in batch if counts)
+        assert counted == list(range(20))
+        assert all(len(batch) == 8 // processes for plan in plans for batch in plan)
 
 
 def test_preference_fields_and_kinds_are_checked() -> None:

@@ -157,14 +157,6 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             cel.XLA_ON_TPU7X_MESSAGE,
         ),
         (
-            {
-                "training": {"maxSteps": 10, "objective": "dpo"},
-                "dataset": {"name": "o/p", "format": "preference"},
-            },
-            "spec.training.objective",
-            cel.NATIVE_DPO_MESSAGE,
-        ),
-        (
             {"training": {"maxSteps": 10, "method": "lora"}},
             "spec.training.method",
             cel.NATIVE_LORA_MESSAGE,
@@ -175,7 +167,7 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             cel.NATIVE_TENSOR_MESSAGE,
         ),
     ],
-    ids=["xla-on-tpu7x", "native-dpo", "native-lora", "native-tensor"],
+    ids=["xla-on-tpu7x", "native-lora", "native-tensor"],
 )
 def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -186,8 +178,6 @@ def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: 
 def test_the_messages_say_why_and_what_to_do_instead() -> None:
     assert "torch_xla 2.9.0 is its last release" in cel.XLA_ON_TPU7X_MESSAGE
     assert "TorchTPU" in cel.XLA_ON_TPU7X_MESSAGE and "set backend: native" in cel.XLA_ON_TPU7X_MESSAGE
-    assert "objective dpo runs on backend xla only for now" in cel.NATIVE_DPO_MESSAGE
-    assert "set backend: xla" in cel.NATIVE_DPO_MESSAGE
     assert "method lora runs on backend xla only for now" in cel.NATIVE_LORA_MESSAGE
     assert "set backend: xla, or method: full" in cel.NATIVE_LORA_MESSAGE
     assert "tensor > 1 runs on backend xla only for now" in cel.NATIVE_TENSOR_MESSAGE

@@ -287,9 +287,6 @@ XLA_ON_TPU7X_MESSAGE = (
     "only), and Google points PyTorch users on Ironwood to TorchTPU; set backend: native (torch-native "
     "FSDP2 on TorchTPU)"
 )
-NATIVE_DPO_MESSAGE = (
-    "objective dpo runs on backend xla only for now (the native backend trains sft); set backend: xla"
-)
 # The trainer refuses these two too (tpuft_trainer/config.py, TrainerConfig's validators); here they are
 # refused at `kubectl apply`, on the field to change, before a prepare Job or a TPU.
 NATIVE_LORA_MESSAGE = (
@@ -304,20 +301,14 @@ _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
 
 def _backend_rules() -> list[Rule]:
-    """Each refusal on the field a person would change: backend for tpu7x, the objective for DPO, the
-    method for LoRA, the mesh's tensor axis for tensor parallelism
+    """Each refusal on the field a person would change: backend for tpu7x, the method for LoRA, the
+    mesh's tensor axis for tensor parallelism
     (spec.backend defaults to xla, so a spec without it is an xla run)."""
     return [
         {
             "rule": f"self.tpu.type != 'tpu7x' || {_NATIVE}",
             "message": XLA_ON_TPU7X_MESSAGE,
             "fieldPath": ".backend",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": f"!{_NATIVE} || !has(self.training.objective) || self.training.objective != 'dpo'",
-            "message": NATIVE_DPO_MESSAGE,
-            "fieldPath": ".training.objective",
             "reason": "FieldValueInvalid",
         },
         {

@@ -35,7 +35,6 @@ from tpuft_operator.api.cel import (
     EVAL_SOURCE_MESSAGE,
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
-    NATIVE_DPO_MESSAGE,
     NATIVE_LORA_MESSAGE,
     NATIVE_TENSOR_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
@@ -351,8 +350,6 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     # spec.backend: the CEL rules of _backend_rules, in Python.
     if spec.tpu.type == "tpu7x" and spec.backend != "native":
         errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
-    if spec.backend == "native" and training.objective == "dpo":
-        errors.append(FieldError("spec.training.objective", NATIVE_DPO_MESSAGE))
     if spec.backend == "native" and training.method == "lora":
         errors.append(FieldError("spec.training.method", NATIVE_LORA_MESSAGE))
     if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:

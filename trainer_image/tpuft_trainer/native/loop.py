@@ -11,7 +11,9 @@ progress sinks (progress.py), the attempt's record (attempt.py), the run record 
 The loss of a step is the xla backend's: the sum of every loss token's cross-entropy over the global
 batch (all micro-batches of the step) divided by the global count of loss tokens (an all-reduce), so
 it equals an unsharded run's. Each process computes its rows' sum over that global count; FSDP2
-averages gradients over the processes, so the backward pass scales by their number.
+averages gradients over the processes, so the backward pass scales by their number. Objective dpo
+takes its step, reference and metrics from preference.py (trl's DPO loss: the mean over the step's
+pairs); the rest of the loop is the same.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tpuft_trainer.checkpoint.manager import CheckpointManager, Faults
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.data import packing
 from tpuft_trainer.errors import ConfigError
-from tpuft_trainer.native import batches, checkpoints, runtime
+from tpuft_trainer.native import batches, checkpoints, preference, runtime
 from tpuft_trainer.native import model as native_model
 from tpuft_trainer.native import optimizer as native_optimizer
 from tpuft_trainer.native.events import Events
@@ -50,6 +52,7 @@ from tpuft_trainer.progress import LogBar, Meter, Sink, StatusReporter
 from tpuft_trainer.train import (
     RunRecord,
     _datasets,
+    _preference_datasets,
     _resume_point,
     _SaveLog,
     _steps_for_epochs,
@@ -66,8 +69,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     started = time.monotonic()
     record = RunRecord()
     training = config.training
-    if config.backend != "native" or training.method != "full" or training.objective != "sft":
-        raise ConfigError("the native loop trains backend native, method full, objective sft only")
+    if config.backend != "native" or training.method != "full":
+        raise ConfigError("the native loop trains backend native, method full only")
     # 1. Where this process stands: its host in the job, its rank among the chips' processes, the mesh.
     world = detect_world(config.world, env)
     device_access.check_tpu_device_access()
@@ -117,9 +120,25 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     global_batch = training.per_device_batch_size * rt.world_size
     if not rt.is_rank_zero:
         backend.barrier()
-    dataset, eval_dataset, eval_batches = _datasets(config, tokenizer, global_batch, record, rt.is_rank_zero)
+    if training.objective == "dpo":
+        dataset, eval_dataset = _preference_datasets(config, tokenizer, global_batch, record, rt.is_rank_zero)
+        eval_batches = None
+    else:
+        dataset, eval_dataset, eval_batches = _datasets(
+            config, tokenizer, global_batch, record, rt.is_rank_zero
+        )
     if rt.is_rank_zero:
         backend.barrier()
+    dpo: preference.Trainer | None = None
+    if training.objective == "dpo":  # the reference is rebuilt from the source, never checkpointed
+        reference = preference.prepare(model, config, rt)
+        record.reference_sharding = reference.sharding()
+        dpo = preference.Trainer(
+            preference.Settings.of(config, tokenizer),
+            reference,
+            rt,
+            pairs_per_step=global_batch * training.gradient_accumulation_steps,
+        )
     record.peak_rss["load"] = host_memory.part_peak()
     # 4. Optimizer, schedule, checkpoints; restored from the resume point (either backend's).
     plan = batches.Plan(
@@ -157,13 +176,19 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         restored = checkpoints.restore(manager, resume, model, optimizer, scheduler)
         progress.step, progress.log_history = restored.step, restored.log_history
     saves = _SaveLog(attempt, config, stopper, rt.is_rank_zero)
-    reporter = _Reporter(config, total_steps, record.rows_per_step, rt.is_rank_zero, attempt)
+    # A preference pair is two rows of max_seq_length (prompt + chosen, prompt + rejected), as on xla.
+    rows_per_step = record.rows_per_step * (2 if dpo is not None else 1)
+    reporter = _Reporter(config, total_steps, rows_per_step, rt.is_rank_zero, attempt)
     reporter.events = Events(output, config.output.uri, is_rank_zero=rt.is_rank_zero)
-    evaluate = _Evaluator(model, eval_dataset, eval_batches, global_batch, rt)
+    evaluate: _Evaluator | preference.Evaluator = (
+        _Evaluator(model, eval_dataset, eval_batches, global_batch, rt)
+        if dpo is None
+        else preference.Evaluator(model, dpo, eval_dataset, global_batch)
+    )
     # 5. Train.
     try:
         _train(config, env, rt, model, optimizer, scheduler, manager, stopper, attempt, saves, order,
-               dataset, progress, evaluate, reporter, record)  # fmt: skip
+               dataset, progress, evaluate, reporter, record, dpo)  # fmt: skip
         saves.record(manager.wait())
     except BaseException:
         manager.close()
@@ -187,6 +212,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # 6. The final model in the standard format, streamed shard group by group (export.py).
     optimizer.state.clear()
     model.zero_grad(set_to_none=True)
+    if dpo is not None:
+        dpo.reference.release()
     host_memory.release()
     weights = export.export_weights(export.model_tensors(model), store, backend)
     if rt.is_rank_zero:
@@ -217,9 +244,10 @@ def _train(
     order: batches.Order,
     dataset: Any,
     progress: checkpoints.Progress,
-    evaluate: _Evaluator,
+    evaluate: _Evaluator | preference.Evaluator,
     reporter: _Reporter,
     record: RunRecord,
+    dpo: preference.Trainer | None = None,
 ) -> None:
     """Steps from the one after the resume point to the last, or to an agreed stop."""
     import torch
@@ -240,13 +268,20 @@ def _train(
     model.train()
     for step in range(progress.step + 1, progress.total_steps + 1):
         # -- one optimizer step over the global batch (this process's rows of each micro-batch) --
-        micro = [batches.collate([dataset[i] for i in rows], rt.device) for rows in order.micro_batches(step)]
-        items = runtime.all_reduce_sum(sum(batches.loss_tokens(b) for b in micro).to(torch.float32))
-        step_loss = on_device()
-        for batch in micro:
-            loss = model(**batch, num_items_in_batch=items).loss
-            (loss * rt.world_size).backward()  # FSDP2 averages over the processes: undo it
-            step_loss += loss.detach().float()
+        if dpo is not None:
+            done = dpo.step(model, [[dataset[i] for i in rows] for rows in order.micro_batches(step)])
+            step_loss, items, here = done.loss, done.loss_tokens, done.positions
+        else:
+            micro = [
+                batches.collate([dataset[i] for i in rows], rt.device) for rows in order.micro_batches(step)
+            ]
+            items = runtime.all_reduce_sum(sum(batches.loss_tokens(b) for b in micro).to(torch.float32))
+            step_loss = on_device()
+            for batch in micro:
+                loss = model(**batch, num_items_in_batch=items).loss
+                (loss * rt.world_size).backward()  # FSDP2 averages over the processes: undo it
+                step_loss += loss.detach().float()
+            here = len(micro) * micro[0]["input_ids"].numel()
         grad_norm = (
             torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
             if training.max_grad_norm > 0
@@ -258,7 +293,7 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         progress.step = step
         step_times.append(time.monotonic())
-        positions.append(len(micro) * micro[0]["input_ids"].numel() * rt.world_size)
+        positions.append(here * rt.world_size)
         loss_token_counts.append(items.detach())
         attempt.step_ended()
         stopper.training_started()
@@ -280,6 +315,13 @@ def _train(
             entry: dict[str, Any] = {"epoch": progress.epoch, "learning_rate": learning_rate, "loss": logged}
             if grad_norm is not None:
                 record.grad_norms[step] = entry["grad_norm"] = float(_full(grad_norm))
+            if dpo is not None:  # trl's metrics, logged beside the loss as DPOTrainer logs them
+                rewards = dpo.metrics()
+                entry.update(rewards)
+                record.reward_accuracies[step] = reporter.rewards["reward_accuracy"] = rewards[
+                    "rewards/accuracies"
+                ]
+                record.reward_margins[step] = reporter.rewards["reward_margin"] = rewards[preference.MARGINS]
             progress.log_history.append({**entry, "step": step})
             reporter.events.scalars(step, {f"train/{key}": value for key, value in entry.items()})
         eval_loss = None
@@ -380,6 +422,7 @@ class _Evaluator:
                 batch = batches.collate([self.rows[i] for i in range(start, start + per)], self.rt.device)
                 summed = self.model(**batch, num_items_in_batch=1).loss
                 total += torch.stack([summed.detach().double().cpu(), batches.loss_tokens(batch).double()])
+        preference.reshard(self.model)  # else a save at this step finds the root's parameters gathered
         self.model.train()
         runtime.all_reduce_sum(total)
         return float(total[0] / total[1].clamp(min=1))
@@ -404,6 +447,7 @@ class _Reporter:
         self.last_loss: float | None = None
         self.last_loss_step: int | None = None
         self.last_eval_loss: float | None = None
+        self.rewards: dict[str, float] = {}  # objective dpo: the last logged reward accuracy and margin
         self.events: Events  # set by run(), once the output directory is known
 
     def report(
@@ -416,7 +460,12 @@ class _Reporter:
         if not self.is_rank_zero:
             return
         snapshot = self.meter.update(step, self.last_loss, self.last_eval_loss, loss_step=self.last_loss_step)
-        snapshot = replace(snapshot, details=self.attempt.to_status())
+        snapshot = replace(
+            snapshot,
+            details=self.attempt.to_status(),
+            reward_accuracy=self.rewards.get("reward_accuracy"),
+            reward_margin=self.rewards.get("reward_margin"),
+        )
         log.info("progress: %s", snapshot.to_line())
         for sink in self.sinks:
             try:
