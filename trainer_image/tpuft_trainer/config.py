@@ -266,11 +266,6 @@ class TrainerConfig(_Strict):
             raise ValueError(
                 "training.objective dpo runs on backend xla only: the native backend's loop trains sft"
             )
-        if self.backend == "native" and self.training.method == "lora":
-            raise ValueError(
-                "training.method lora runs on backend xla only: the native backend's loop trains "
-                "every weight (method full)"
-            )
         if self.backend == "native" and self.fsdp.mesh.tensor > 1:
             raise ValueError(
                 "fsdp.mesh.tensor > 1 runs on backend xla only: the native backend shards over "

@@ -638,7 +638,7 @@ class TPUFineTuneSpec(_Spec):
             "host), on v4, v5e, v5p and v6e; refused on tpu7x. `native`: torch-native FSDP2, DTensor and "
             "torch.distributed.checkpoint on TorchTPU (torch-tpu, Beta), one process per chip, in the "
             "operator's native trainer image (several slices: HSDP, sharded within a slice, replicated "
-            "across slices over DCN); objective sft and method full only, no tensor axis. Both read the "
+            "across slices over DCN); objective sft (method full or lora), no tensor axis. Both read the "
             'same prepared data and write checkpoints of the same layout. See docs/operator.md, "Backends".'
         ),
     )

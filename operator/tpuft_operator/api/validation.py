@@ -36,7 +36,6 @@ from tpuft_operator.api.cel import (
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
     NATIVE_DPO_MESSAGE,
-    NATIVE_LORA_MESSAGE,
     NATIVE_TENSOR_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
@@ -353,8 +352,6 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
     if spec.backend == "native" and training.objective == "dpo":
         errors.append(FieldError("spec.training.objective", NATIVE_DPO_MESSAGE))
-    if spec.backend == "native" and training.method == "lora":
-        errors.append(FieldError("spec.training.method", NATIVE_LORA_MESSAGE))
     if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:
         errors.append(FieldError("spec.fsdp.mesh.tensor", NATIVE_TENSOR_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:
