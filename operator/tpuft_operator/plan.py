@@ -558,7 +558,7 @@ BACKEND_DESCRIPTIONS = {
 def host_suggestions(spec: TPUFineTuneSpec) -> list[str]:
     """What lowers a host's peak RAM, as the spec's fields say it."""
     out = ["use a larger topology (more hosts share the state)"]
-    if spec.training.method == "full" and spec.backend != "native":  # native refuses lora
+    if spec.training.method == "full":
         out.append("training.method: lora")
     if spec.training.optimizer == "adamw":
         out.append("training.optimizer: adafactor")
@@ -937,7 +937,7 @@ def token_levers(p: Plan, ft: TPUFineTune) -> list[str]:
 def weight_levers(p: Plan, ft: TPUFineTune) -> list[str]:
     """What shrinks the lines that do not depend on the batch: weights, gradients, optimizer state."""
     out = []
-    if p.method == "full" and ft.spec.backend != "native":  # native refuses lora
+    if p.method == "full":
         out.append("use training.method: lora")
     if ft.spec.training.optimizer == "adamw":
         out.append("use training.optimizer: adafactor")

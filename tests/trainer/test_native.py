@@ -13,8 +13,11 @@ global batch of 8 rows (per-device batch x processes), a checkpoint every 2 step
 - objective dpo: the xla DPO run of test_dpo (trl's DPOTrainer, 4 devices; the same session job) on 2
   native processes gives trl's losses and reward figures; its checkpoint-4 resumed on 1 process
   continues it exactly (2 -> 1), evaluation included.
+- LoRA: 2 native processes give the xla run's losses, train the adapter only, checkpoint the xla
+  run's keys and export its files; the xla LoRA checkpoint resumed by 1 native process, and a native
+  one by 2 exactly.
 
-Two chains of runs on the session pool (2 workers), shared between the assertions: launches, not
+Three chains of runs on the session pool (2 workers), shared between the assertions: launches, not
 steps, are what costs here (each process imports torch and transformers), so every run serves several
 tests. No separate 1-process run from scratch (the 2 -> 1 run is the 1-process side of 2 vs 1) and no
 SIGKILL scenario (kill-and-resume from a periodic checkpoint is covered on xla, test_train_cli.py;
@@ -260,11 +263,36 @@ def dpo_then_resharded() -> dict[str, Any]:
     return {"two": (first, output), "one": (one, on_one)}
 
 
+LORA = {"method": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "save_merged": True}}
+
+
+def lora_runs() -> dict[str, Any]:
+    """LoRA from scratch on 2 native processes and on 2 xla devices; the xla run's checkpoint-2
+    resumed by 1 native process (across backends, 2 -> 1, the base from the source); the native run's
+    checkpoint-4 resumed by 2 native processes (the same run again)."""
+    config, output = native_config(2)
+    config = variant(config, "lora.yaml", training=LORA)
+    native = run_native(config)
+    xla_out = output.parent / "lora-xla"
+    xla = run_train(on(config, "lora-xla.yaml", xla_out, 2, backend="xla"), 2)
+    from_xla = keep_only(xla_out, "checkpoint-2", output.parent / "lora-from-xla")
+    one = run_native(on(config, "lora-one.yaml", from_xla, 1))
+    again = keep_only(output, "checkpoint-4", output.parent / "lora-again")
+    two = run_native(on(config, "lora-again.yaml", again, 2))
+    return {
+        "native": (native, output),
+        "xla": (xla, xla_out),
+        "from_xla": (one, from_xla),
+        "again": (two, again),
+    }
+
+
 SPMD_JOBS = {
     "native:across": across_backends,
     "native:stopped": stopped_then_resharded,
     "native:dpo": dpo_then_resharded,
     "dpo:full": xla_dpo,  # test_dpo's, run once a session for both modules
+    "native:lora": lora_runs,
 }
 
 
@@ -441,3 +469,89 @@ def test_native_dpo_gives_trls_losses_and_resumes_on_one_process(pool: Pool) -> 
         {k: v for k, v in record["reward_margins"].items() if int(k) >= 5}, abs=1e-6, rel=0
     )
     assert resumed["eval_losses"][str(DPO_STEPS)] == pytest.approx(evals[DPO_STEPS], abs=1e-6)
+
+
+def _exported(output: Path) -> set[str]:
+    """The files of an output but its checkpoints, prepared data and events."""
+    return {
+        str(path.relative_to(output))
+        for path in output.rglob("*")
+        if path.is_file() and path.relative_to(output).parts[0].split("-")[0] not in _NOT_EXPORT
+    }
+
+
+_NOT_EXPORT = {"checkpoint", "prepared", "tensorboard"}
+
+
+def _checkpoint_keys(output: Path, name: str) -> set[str]:
+    with (output / name / layout.DCP_METADATA).open("rb") as stream:
+        return set(compat.read_dcp_index(stream).state_dict_metadata)
+
+
+def test_lora_on_two_processes_gives_the_xla_runs_losses_and_trains_the_adapter_only(pool: Pool) -> None:
+    """The adapter is drawn from the seed (lora.py) on both backends, so the same steps on the same
+    rows give the same losses: measured at most 7.2e-7 apart over the 6 steps (the 1-process native
+    run at most 9.5e-7 from the 2-process one). A native adapter drawn otherwise than xla's starts
+    the same (lora_B = 0) and is off by 2e-2 to 6e-2 from step 2 (measured: another seed)."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    runs = pool.get("native:lora")
+    (native, out), (xla, xla_out) = runs["native"], runs["xla"]
+    _ok(native)
+    _ok(xla)
+    record = metrics(out)
+    got = losses(record)
+    assert sorted(got) == list(range(1, STEPS + 1)) and got[STEPS] < got[1] - 0.2, got  # it learns
+    assert got == pytest.approx(losses(metrics(xla_out)), abs=ACROSS_BACKENDS, rel=0)
+    assert record["model_load"]["sharded"] and record["process_count"] == 2
+    sharding = record["parameter_sharding"]
+    assert any(".lora_A.default." in name for name in sharding), sorted(sharding)[:5]
+    assert all("Shard(dim=0)" in p for p in sharding.values())  # FSDP2 shards the adapter too
+    # The checkpoints hold the adapter and its optimizer state only, under the xla run's keys.
+    keys = _checkpoint_keys(out, "checkpoint-6")
+    assert keys == _checkpoint_keys(xla_out, "checkpoint-6")
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert len(model_keys) == 2 * 7 * 2 and all(".lora_" in k for k in model_keys), sorted(model_keys)
+
+    # The export: the xla run's files (adapter, training_args.bin, tokenizer, merged/).
+    exported = _exported(out)
+    assert exported == _exported(xla_out)
+    assert {"adapter_model.safetensors", "adapter_config.json", "merged/model.safetensors"} <= exported
+    configs = [json.loads((o / "adapter_config.json").read_text()) for o in (out, xla_out)]
+    for config in configs:  # a set in peft, written in no particular order
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1]
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert all(adapter[k].abs().sum() > 0 for k in adapter if "lora_B" in k)  # B starts at zero: trained
+    # peft loads the adapter onto the base; the merged model is that model; only adapted weights moved.
+    base = AutoModelForCausalLM.from_pretrained(materials()["model"])
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    ids = torch.arange(2 * 16).reshape(2, 16) % 100 + 4
+    with_adapter = PeftModel.from_pretrained(base, out)
+    with torch.no_grad():
+        assert torch.allclose(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+    moved = {k for k, v in merged.state_dict().items() if not torch.equal(v, base_state[k])}
+    assert moved and all(k.endswith("_proj.weight") for k in moved), sorted(moved)
+
+
+def test_lora_resumes_across_backends_and_exactly(pool: Pool) -> None:
+    """xla's LoRA checkpoint-2 resumed by 1 native process continues the xla run's losses (the base
+    weights from the source: the checkpoint holds the adapter only); the native run's checkpoint-4
+    resumed by 2 processes gives its steps 5-6 exactly."""
+    runs = pool.get("native:lora")
+    (_, out), (_, xla_out) = runs["native"], runs["xla"]
+    one, from_xla = runs["from_xla"]
+    _ok(one)
+    resumed = metrics(from_xla)
+    assert resumed["resumed_from"] == "checkpoint-2" and resumed["process_count"] == 1
+    assert resumed["model_load"]["weights_from"] == "source"
+    assert sorted(losses(resumed)) == list(range(3, STEPS + 1))
+    assert losses(resumed) == pytest.approx(_steps(metrics(xla_out), 3), abs=ACROSS_BACKENDS, rel=0)
+    two, again = runs["again"]
+    _ok(two)
+    assert metrics(again)["resumed_from"] == "checkpoint-4"
+    assert losses(metrics(again)) == _steps(metrics(out), 5)  # exact

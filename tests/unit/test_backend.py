@@ -157,17 +157,12 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             cel.XLA_ON_TPU7X_MESSAGE,
         ),
         (
-            {"training": {"maxSteps": 10, "method": "lora"}},
-            "spec.training.method",
-            cel.NATIVE_LORA_MESSAGE,
-        ),
-        (
             {"fsdp": {"mesh": {"tensor": 2}}},
             "spec.fsdp.mesh.tensor",
             cel.NATIVE_TENSOR_MESSAGE,
         ),
     ],
-    ids=["xla-on-tpu7x", "native-lora", "native-tensor"],
+    ids=["xla-on-tpu7x", "native-tensor"],
 )
 def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -178,8 +173,6 @@ def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: 
 def test_the_messages_say_why_and_what_to_do_instead() -> None:
     assert "torch_xla 2.9.0 is its last release" in cel.XLA_ON_TPU7X_MESSAGE
     assert "TorchTPU" in cel.XLA_ON_TPU7X_MESSAGE and "set backend: native" in cel.XLA_ON_TPU7X_MESSAGE
-    assert "method lora runs on backend xla only for now" in cel.NATIVE_LORA_MESSAGE
-    assert "set backend: xla, or method: full" in cel.NATIVE_LORA_MESSAGE
     assert "tensor > 1 runs on backend xla only for now" in cel.NATIVE_TENSOR_MESSAGE
     assert "set backend: xla, or tensor: 1" in cel.NATIVE_TENSOR_MESSAGE
     # Ironwood on native is accepted (one slice), with the native caveat.
@@ -211,12 +204,16 @@ def test_tpuft_plan_names_the_backend_and_counts_one_process_per_chip() -> None:
     assert "backend     xla: PyTorch/XLA SPMD (torch_xla 2.9.0), one process per host" in xla_text
 
 
-def test_the_memory_advice_never_suggests_what_native_refuses() -> None:
-    """A run that does not fit is told what lowers its peak (host RAM, HBM): never LoRA on native,
-    which refuses it (the advice would only trade one refusal for another)."""
+def test_the_memory_advice_offers_lora_on_both_backends_unless_it_is_lora_already() -> None:
+    """A run that does not fit is told what lowers its peak (host RAM, HBM): LoRA on either backend
+    (native runs it too), never to a run that is LoRA already."""
     model = planning.KNOWN_MODELS["Qwen/Qwen2.5-0.5B"]
-    for backend, offered in (("xla", True), ("native", False)):
-        ft = parse(run_of(backend=backend), check_host_ram=False)
+    for backend, method, offered in (
+        ("xla", "full", True),
+        ("native", "full", True),
+        ("native", "lora", False),
+    ):
+        ft = parse(run_of(backend=backend, training={"maxSteps": 10, "method": method}), check_host_ram=False)
         assert ("training.method: lora" in planning.host_suggestions(ft.spec)) is offered, backend
         levers = planning.weight_levers(planning.plan(ft, model), ft)
         assert ("use training.method: lora" in levers) is offered, backend

@@ -262,11 +262,6 @@ class TrainerConfig(_Strict):
             )
         if preference and self.training.objective != "dpo":
             raise ValueError("dataset.format preference needs training.objective dpo")
-        if self.backend == "native" and self.training.method == "lora":
-            raise ValueError(
-                "training.method lora runs on backend xla only: the native backend's loop trains "
-                "every weight (method full)"
-            )
         if self.backend == "native" and self.fsdp.mesh.tensor > 1:
             raise ValueError(
                 "fsdp.mesh.tensor > 1 runs on backend xla only: the native backend shards over "

@@ -37,6 +37,7 @@ FILE_BYTES = 1 << 30  # per safetensors file: what a host holds at once
 # where the devices are host memory, once per device).
 GATHER_BYTES = 1 << 28
 INDEX = "model.safetensors.index.json"
+MERGED = "merged"  # a LoRA run's merged model, under the output
 
 
 @dataclass(frozen=True)
@@ -101,12 +102,12 @@ def merged_tensors(peft_model: Any) -> dict[str, TensorSource]:
     deltas: dict[str, Any] = {}
     for name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
-            deltas[_base_name(f"{name}.base_layer.weight")] = module
+            deltas[base_name(f"{name}.base_layer.weight")] = module
     out: dict[str, TensorSource] = {}
     for name, tensor in peft_model.state_dict(keep_vars=True).items():
         if ".lora_" in name or "lora_embedding" in name:
             continue
-        base = _base_name(name)
+        base = base_name(name)
         layer = deltas.get(base)
         if layer is None:
             out.setdefault(base, tensor.detach())
@@ -120,12 +121,45 @@ def _merge(weight: Any, layer: Any, adapter: str) -> Callable[[], Any]:
     return lambda: weight + layer.get_delta_weight(adapter).to(weight.dtype)
 
 
-def _base_name(name: str) -> str:
+def base_name(name: str) -> str:
     name = hf_name(name)
     for prefix in ("base_model.model.",):
         if name.startswith(prefix):
             name = name[len(prefix) :]
     return name.replace(".base_layer.", ".")
+
+
+def export_adapter(
+    peft_model: Any, tokenizer: Any, backend: Backend, output: Path, training_arguments: Any
+) -> None:
+    """A LoRA run's adapter as the xla backend's ``Trainer.save_model`` writes it (compat.py's
+    reloadable checkpoint): ``adapter_model.safetensors`` + ``adapter_config.json`` (and peft's
+    README.md), ``training_args.bin`` and the tokenizer, into the local output directory. Every
+    process calls it (the adapter's shards are gathered, a few MB); process 0 writes."""
+    import torch
+
+    from tpuft_trainer import compat
+    from tpuft_trainer.checkpoint.state import trainable_state
+
+    adapter = trainable_state(peft_model)
+    whole = dict(zip(adapter, backend.full_tensors(list(adapter.values())), strict=True))
+    if backend.process_index == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        torch.save(training_arguments, output / "training_args.bin")
+        compat.save_peft_adapter(peft_model, whole, str(output))
+        tokenizer.save_pretrained(output)
+
+
+def export_merged(
+    peft_model: Any, tokenizer: Any, store: layout.Store, backend: Backend, output: Path
+) -> ExportRecord:
+    """``lora.save_merged``: the merged model streamed under ``merged/`` (weights, config, tokenizer);
+    every process calls it (the weights are gathered), process 0 writes the small files."""
+    merged = export_weights(merged_tensors(peft_model), layout.Store(store.url(MERGED)), backend)
+    if backend.process_index == 0:
+        write_config(peft_model, output / MERGED)
+        tokenizer.save_pretrained(output / MERGED)
+    return merged
 
 
 def groups_of(sizes: dict[str, int], limit: int = FILE_BYTES) -> list[list[str]]:

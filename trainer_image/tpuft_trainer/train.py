@@ -40,11 +40,11 @@ from tpuft_trainer.checkpoint.hf_trainer import TrainerCheckpoints, with_sharded
 from tpuft_trainer.checkpoint.manager import CheckpointManager, Faults, SaveRecord
 from tpuft_trainer.checkpoint.resume import agree_on_resume_point
 from tpuft_trainer.checkpoint.xla import XlaBackend
-from tpuft_trainer.config import LoraConfig as LoraSettings
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.data import packing, prepared
 from tpuft_trainer.data import prepare as data_prepare
 from tpuft_trainer.errors import ConfigError, StoppedAfterCheckpoint
+from tpuft_trainer.lora import adapt, peft_lora_config
 from tpuft_trainer.pod_contract import (
     COORDINATOR_ADDRESS_ENV,
     FAULT_KILL_AT_STEP_ENV,
@@ -272,9 +272,7 @@ def _model_and_data(
     if config.dataset.packing and (refusal := packing.packing_refusal(model)):
         raise ConfigError(refusal)
     if training.method == "lora" and not preference:  # (trl's DPOTrainer adds the adapter itself)
-        from peft import get_peft_model
-
-        model = get_peft_model(model, peft_lora_config(config.training.lora))
+        model, _ = adapt(model, training.lora, training.seed)  # the adapter drawn from the seed
     global_batch = training.per_device_batch_size * shape.batch_ways
     if preference:
         dataset, eval_dataset = _preference_datasets(
@@ -575,13 +573,7 @@ def _export(
         trainer.save_model(str(output))  # compat.reloadable_checkpoint: the adapter's weights only
         if not (training.lora and training.lora.save_merged):
             return {"adapter": True}
-        peft_model = export.unwrap(trainer.model)
-        merged = export.export_weights(
-            export.merged_tensors(peft_model), _sub_store(store, "merged"), backend
-        )
-        if is_rank_zero:
-            export.write_config(peft_model, output / "merged")
-            tokenizer.save_pretrained(output / "merged")
+        merged = export.export_merged(export.unwrap(trainer.model), tokenizer, store, backend, output)
         return {"adapter": True, "merged": asdict(merged)}
     weights = export.export_weights(export.model_tensors(trainer.model), store, backend)
     if is_rank_zero:
@@ -605,10 +597,6 @@ def _drop_optimizer_state(trainer: Any) -> None:
     trainer.model.zero_grad(set_to_none=True)
     torch_xla.sync()
     host_memory.release()
-
-
-def _sub_store(store: layout.Store, name: str) -> layout.Store:
-    return layout.Store(store.url(name))
 
 
 def _datasets(
@@ -692,21 +680,6 @@ def _throughput(
         seconds = step_times[-1] - step_times[0]
         record.tokens_per_second = round(sum(counter.positions[1:]) / seconds, 1)
     record.flops_per_token = flops
-
-
-def peft_lora_config(settings: LoraSettings | None) -> Any:
-    """peft's LoraConfig for a run's ``training.lora`` (its defaults when unset)."""
-    from peft import LoraConfig
-
-    lora = settings or LoraSettings()
-    peft_config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules or "all-linear",
-        task_type="CAUSAL_LM",
-    )
-    return peft_config
 
 
 def _steps_for_epochs(config: TrainerConfig, dataset: Any, rows_per_step: int) -> int:

@@ -287,12 +287,8 @@ XLA_ON_TPU7X_MESSAGE = (
     "only), and Google points PyTorch users on Ironwood to TorchTPU; set backend: native (torch-native "
     "FSDP2 on TorchTPU)"
 )
-# The trainer refuses these two too (tpuft_trainer/config.py, TrainerConfig's validators); here they are
+# The trainer refuses this too (tpuft_trainer/config.py, TrainerConfig's validators); here it is
 # refused at `kubectl apply`, on the field to change, before a prepare Job or a TPU.
-NATIVE_LORA_MESSAGE = (
-    "method lora runs on backend xla only for now: the native backend's loop trains every weight "
-    "(method full); set backend: xla, or method: full"
-)
 NATIVE_TENSOR_MESSAGE = (
     "tensor > 1 runs on backend xla only for now: the native backend shards over fsdp x data (FSDP2) "
     "without tensor parallelism; set backend: xla, or tensor: 1"
@@ -301,20 +297,13 @@ _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
 
 def _backend_rules() -> list[Rule]:
-    """Each refusal on the field a person would change: backend for tpu7x, the method for LoRA, the
-    mesh's tensor axis for tensor parallelism
-    (spec.backend defaults to xla, so a spec without it is an xla run)."""
+    """Each refusal on the field a person would change: backend for tpu7x, the mesh's tensor axis for
+    tensor parallelism (spec.backend defaults to xla, so a spec without it is an xla run)."""
     return [
         {
             "rule": f"self.tpu.type != 'tpu7x' || {_NATIVE}",
             "message": XLA_ON_TPU7X_MESSAGE,
             "fieldPath": ".backend",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": f"!{_NATIVE} || !has(self.training.method) || self.training.method != 'lora'",
-            "message": NATIVE_LORA_MESSAGE,
-            "fieldPath": ".training.method",
             "reason": "FieldValueInvalid",
         },
         {

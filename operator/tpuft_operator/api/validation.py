@@ -35,7 +35,6 @@ from tpuft_operator.api.cel import (
     EVAL_SOURCE_MESSAGE,
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
-    NATIVE_LORA_MESSAGE,
     NATIVE_TENSOR_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
@@ -350,8 +349,6 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     # spec.backend: the CEL rules of _backend_rules, in Python.
     if spec.tpu.type == "tpu7x" and spec.backend != "native":
         errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
-    if spec.backend == "native" and training.method == "lora":
-        errors.append(FieldError("spec.training.method", NATIVE_LORA_MESSAGE))
     if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:
         errors.append(FieldError("spec.fsdp.mesh.tensor", NATIVE_TENSOR_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:

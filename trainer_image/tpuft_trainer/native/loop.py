@@ -69,8 +69,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     started = time.monotonic()
     record = RunRecord()
     training = config.training
-    if config.backend != "native" or training.method != "full":
-        raise ConfigError("the native loop trains backend native, method full only")
+    if config.backend != "native":
+        raise ConfigError("the native loop trains backend native")
     # 1. Where this process stands: its host in the job, its rank among the chips' processes, the mesh.
     world = detect_world(config.world, env)
     device_access.check_tpu_device_access()
@@ -103,12 +103,14 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     # them first and publishes them, then the others read what it published).
     load_started = time.monotonic()
     tokenizer = data.load_tokenizer(config.model, data.model_location(config.model))
-    built = native_model.build(config, rt, weights=resume is None)
+    # A LoRA checkpoint holds the adapter only: the base weights come from the source (as on xla).
+    weights_from_checkpoint = resume is not None and training.method == "full"
+    built = native_model.build(config, rt, weights=not weights_from_checkpoint)
     model = built.model
     record.model_load = {
         "sharded": built.sharded_load,
         "why": built.why or None,
-        "weights_from": "checkpoint" if resume is not None else "source",
+        "weights_from": "checkpoint" if weights_from_checkpoint else "source",
         "seconds": round(time.monotonic() - load_started, 2),
     }
     record.checkpointed_blocks = built.wrapped_layers if config.fsdp.gradient_checkpointing else 0
@@ -215,11 +217,19 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     if dpo is not None:
         dpo.reference.release()
     host_memory.release()
-    weights = export.export_weights(export.model_tensors(model), store, backend)
-    if rt.is_rank_zero:
-        export.write_config(model, output)
-        tokenizer.save_pretrained(output)
-    record.export = asdict(weights)
+    if training.method == "lora":  # the xla backend's files: the adapter, and the merged model if asked
+        arguments = native_optimizer.arguments(training, total_steps, output_dir=str(output))
+        export.export_adapter(model, tokenizer, backend, output, arguments)
+        record.export = {"adapter": True}
+        if training.lora and training.lora.save_merged:
+            merged = export.export_merged(model, tokenizer, store, backend, output)
+            record.export["merged"] = asdict(merged)
+    else:
+        weights = export.export_weights(export.model_tensors(model), store, backend)
+        if rt.is_rank_zero:
+            export.write_config(model, output)
+            tokenizer.save_pretrained(output)
+        record.export = asdict(weights)
     record.peak_rss["export"] = host_memory.part_peak()
     record.final_step = progress.step
     record.seconds = round(time.monotonic() - started, 2)

@@ -10,6 +10,13 @@ slices of the safetensors files.
    ``torch.distributed.checkpoint`` with ``HuggingFaceStorageReader`` fills each process's shards from
    the files (reading slices). A full fine-tune resuming from a checkpoint skips this: the
    checkpoint holds every weight.
+
+With ``method: lora`` peft's adapter is added to the meta model before step 2 (lora.py: the same
+LoraConfig as the xla backend), so FSDP2 shards each adapter with its decoder layer (a unit of
+frozen base weights and trainable adapter weights: FSDP2 reduces gradients of the trainable ones
+only). The base weights are read from the files under the base model's names; the adapter's first
+weights are lora.py's, drawn whole from the seed on every process and cut into its shards here. A
+resumed LoRA run reads the base weights from the source too: its checkpoints hold the adapter only.
 A model whose weights are not under its own names in safetensors files is read whole with
 ``from_pretrained`` and then sharded (loading.py says why, in the log).
 """
@@ -17,11 +24,12 @@ A model whose weights are not under its own names in safetensors files is read w
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tpuft_trainer import data, fsdp_v2, loading
+from tpuft_trainer import data, export, fsdp_v2, loading, lora
 from tpuft_trainer.config import TrainerConfig
 from tpuft_trainer.native.runtime import Runtime
 
@@ -61,11 +69,15 @@ def build(config: TrainerConfig, runtime: Runtime, *, weights: bool) -> Built:
         # Non-reentrant: the reentrant variant re-runs the forward outside autograd's view of FSDP2's
         # hooks (its all-gathers would not be re-issued for the recomputation).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    adapter: dict[str, Any] = {}
+    if config.training.method == "lora":  # before sharding: FSDP2 shards the adapter with its layer
+        model, adapter = lora.adapt(model, config.training.lora, config.training.seed)
     classes, wrapped = shard(model, runtime.mesh, config.fsdp.layer_cls_to_wrap)
     if not why:
         _materialise(model, runtime.device)
         if weights:
-            read_slices(model, directory)
+            read_slices(model, directory, skip=adapter.keys())
+        place(model, adapter)
     loading._attach_generation_config(model, directory)
     return Built(model, sharded_load=not why, why=why, layer_classes=classes, wrapped_layers=wrapped)
 
@@ -94,12 +106,38 @@ def _materialise(model: Any, device: Any) -> None:
         module._buffers[leaf] = value.to(device)
 
 
-def read_slices(model: Any, directory: Path) -> None:
-    """Each process's shards of every parameter from the safetensors files (slices only)."""
+def read_slices(model: Any, directory: Path, skip: Collection[str] = ()) -> None:
+    """Each process's shards of every parameter but ``skip`` (a LoRA adapter) from the safetensors
+    files (slices only), under the base model's names (a PeftModel's ``base_model.model.`` and
+    ``.base_layer.`` dropped)."""
     import torch.distributed.checkpoint as dcp
 
     from tpuft_trainer.checkpoint.manager import quiet
 
-    state = {name: param.detach() for name, param in loading._parameters_by_name(model).items()}
+    state = {
+        export.base_name(name): param.detach()
+        for name, param in loading._parameters_by_name(model).items()
+        if name not in skip
+    }
     with quiet():
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
+
+
+def place(model: Any, whole: Mapping[str, Any]) -> None:
+    """Each process's shards of the whole tensors ``whole`` (by parameter name: the LoRA adapter's
+    first weights, the same on every process) copied into the materialised parameters: the slices
+    ``distribute_tensor`` would scatter, cut locally (every process holds the whole tensor)."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = whole.get(name)
+            if value is None:
+                continue
+            value = value.to(param.dtype)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(value.to(param.device))

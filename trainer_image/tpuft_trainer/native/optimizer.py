@@ -19,12 +19,13 @@ from tpuft_trainer.config import TrainingConfig
 OPTIMIZERS = {"adafactor": "adafactor", "adamw": "adamw_torch"}
 
 
-def arguments(training: TrainingConfig, total_steps: int) -> Any:
-    """The TrainingArguments whose optimizer and schedule settings the xla backend's Trainer uses."""
+def arguments(training: TrainingConfig, total_steps: int, output_dir: str | None = None) -> Any:
+    """The TrainingArguments whose optimizer and schedule settings the xla backend's Trainer uses
+    (``output_dir``: what training_args.bin records, beside a LoRA run's adapter)."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=tempfile.gettempdir(),  # never written: no Trainer is built from these
+        output_dir=output_dir or tempfile.gettempdir(),  # never written: no Trainer is built from these
         max_steps=total_steps,
         learning_rate=training.learning_rate,
         optim=OPTIMIZERS[training.optimizer],

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tpuft_trainer import lora
 from tpuft_trainer.config import DPO_LOSS_TYPES, TrainerConfig
 from tpuft_trainer.errors import ConfigError
 from tpuft_trainer.native import runtime
@@ -200,7 +201,7 @@ class AdapterDisabled:
     def log_probs(self, batch: dict[str, Any]) -> Any:
         import torch
 
-        with torch.no_grad(), self.policy.disable_adapter():
+        with torch.no_grad(), lora.reference(self.policy):
             return sequence_log_probs(self.policy, batch)
 
     def sharding(self) -> dict[str, str]:
