@@ -260,7 +260,10 @@ def dpo_then_resharded() -> dict[str, Any]:
     first = run_native(two)
     on_one = keep_only(output, "checkpoint-4", output.parent / "dpo-on-one")
     one = run_native(on(two, "native-dpo-one.yaml", on_one, 1))
-    return {"two": (first, output), "one": (one, on_one)}
+    with_lora = output.parent / "dpo-lora"
+    lora = run_native(variant(on(two, "native-dpo-lora.yaml", with_lora, 2), "native-dpo-lora.yaml",
+                              training={"method": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0}}))  # fmt: skip
+    return {"two": (first, output), "one": (one, on_one), "lora": (lora, with_lora)}
 
 
 LORA = {"method": "lora", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "save_merged": True}}
@@ -469,6 +472,23 @@ def test_native_dpo_gives_trls_losses_and_resumes_on_one_process(pool: Pool) -> 
         {k: v for k, v in record["reward_margins"].items() if int(k) >= 5}, abs=1e-6, rel=0
     )
     assert resumed["eval_losses"][str(DPO_STEPS)] == pytest.approx(evals[DPO_STEPS], abs=1e-6)
+
+
+def test_native_dpo_under_lora_takes_the_base_as_its_reference(pool: Pool) -> None:
+    """DPO with method lora on 2 native processes: the reference is the policy with its adapter
+    disabled (no second copy), so the first step's loss is ln 2 (lora_B starts at zero); it learns,
+    and only the adapter is checkpointed and exported."""
+    lora, output = pool.get("native:dpo")["lora"]
+    _ok(lora)
+    record = metrics(output)
+    got = losses(record)
+    assert sorted(got) == list(range(1, DPO_STEPS + 1))
+    assert got[1] == pytest.approx(LN2, abs=1e-6)
+    assert got[DPO_STEPS] < got[1] - 0.01, got
+    assert record["reference_sharding"] == {}  # the adapter disabled: no frozen copy was built
+    keys = {k for k in _checkpoint_keys(output, f"checkpoint-{DPO_STEPS}") if k.startswith("model.")}
+    assert keys and all(".lora_" in k for k in keys), sorted(keys)[:4]
+    assert (output / "adapter_model.safetensors").is_file() and not (output / "model.safetensors").exists()
 
 
 def _exported(output: Path) -> set[str]:
