@@ -271,11 +271,6 @@ class TrainerConfig(_Strict):
                 "training.method lora runs on backend xla only: the native backend's loop trains "
                 "every weight (method full)"
             )
-        if self.backend == "native" and self.fsdp.mesh.tensor > 1:
-            raise ValueError(
-                "fsdp.mesh.tensor > 1 runs on backend xla only: the native backend shards over "
-                "fsdp x data x dcn_data (FSDP2), without tensor parallelism"
-            )
         return self
 
     def data_settings(self) -> dict[str, object]:
