@@ -105,6 +105,14 @@ def test_the_trainer_config_and_the_prepare_job_follow_the_backend() -> None:
     assert not {e["name"] for e in prepare["env"]} & set(pod_contract.NATIVE_RENDERED_ENV)
 
 
+def test_a_native_run_with_a_tensor_axis_renders_it_into_the_trainer_config() -> None:
+    """Tensor parallelism runs on native too (FSDP2 x DTensor tensor parallelism): accepted at apply,
+    and the trainer is told the axis."""
+    run = render_run(run_of(fsdp={"mesh": {"tensor": 2}}))
+    config = TrainerConfig.from_yaml(run.trainer_config.to_yaml())
+    assert (config.backend, config.fsdp.mesh.tensor) == ("native", 2)
+
+
 def test_the_images_come_from_the_settings_and_spec_image_wins() -> None:
     settings = RenderSettings(trainer_image="r.example/t:1", trainer_image_native="r.example/t:1-tt")
     assert container(render_run(run_of(), settings).jobset)["image"] == "r.example/t:1-tt"
@@ -146,13 +154,8 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             "spec.training.method",
             cel.NATIVE_LORA_MESSAGE,
         ),
-        (
-            {"fsdp": {"mesh": {"tensor": 2}}},
-            "spec.fsdp.mesh.tensor",
-            cel.NATIVE_TENSOR_MESSAGE,
-        ),
     ],
-    ids=["xla-on-tpu7x", "native-dpo", "native-multislice", "native-lora", "native-tensor"],
+    ids=["xla-on-tpu7x", "native-dpo", "native-multislice", "native-lora"],
 )
 def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -168,8 +171,6 @@ def test_the_messages_say_why_and_what_to_do_instead() -> None:
     assert "MEGASCALE_" in cel.NATIVE_MULTISLICE_MESSAGE and "slices: 1" in cel.NATIVE_MULTISLICE_MESSAGE
     assert "method lora runs on backend xla only for now" in cel.NATIVE_LORA_MESSAGE
     assert "set backend: xla, or method: full" in cel.NATIVE_LORA_MESSAGE
-    assert "tensor > 1 runs on backend xla only for now" in cel.NATIVE_TENSOR_MESSAGE
-    assert "set backend: xla, or tensor: 1" in cel.NATIVE_TENSOR_MESSAGE
     # Ironwood on native is accepted (one slice), with the native caveat.
     assert render_run(run_of(tpu={"type": "tpu7x", "topology": "2x2x2"})).trainer_stack_caveat
 

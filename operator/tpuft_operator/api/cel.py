@@ -295,23 +295,18 @@ NATIVE_MULTISLICE_MESSAGE = (
     "within one slice, and its only multislice path (libtpu's MegaScale client, MEGASCALE_* variables) "
     "is neither wired nor verified by tpuft; use backend xla for multislice, or slices: 1"
 )
-# The trainer refuses these two too (tpuft_trainer/config.py, TrainerConfig's validators); here they are
+# The trainer refuses this one too (tpuft_trainer/config.py, TrainerConfig's validators); here it is
 # refused at `kubectl apply`, on the field to change, before a prepare Job or a TPU.
 NATIVE_LORA_MESSAGE = (
     "method lora runs on backend xla only for now: the native backend's loop trains every weight "
     "(method full); set backend: xla, or method: full"
-)
-NATIVE_TENSOR_MESSAGE = (
-    "tensor > 1 runs on backend xla only for now: the native backend shards over fsdp x data (FSDP2) "
-    "without tensor parallelism; set backend: xla, or tensor: 1"
 )
 _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
 
 def _backend_rules() -> list[Rule]:
     """Each refusal on the field a person would change: backend for tpu7x, the objective for DPO, the
-    slices for multislice, the method for LoRA, the mesh's tensor axis for tensor parallelism
-    (spec.backend defaults to xla, so a spec without it is an xla run)."""
+    slices for multislice, the method for LoRA (spec.backend defaults to xla, so a spec without it is an xla run)."""
     return [
         {
             "rule": f"self.tpu.type != 'tpu7x' || {_NATIVE}",
@@ -335,15 +330,6 @@ def _backend_rules() -> list[Rule]:
             "rule": f"!{_NATIVE} || !has(self.training.method) || self.training.method != 'lora'",
             "message": NATIVE_LORA_MESSAGE,
             "fieldPath": ".training.method",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": (
-                f"!{_NATIVE} || !has(self.fsdp) || !has(self.fsdp.mesh) || !has(self.fsdp.mesh.tensor) "
-                "|| self.fsdp.mesh.tensor <= 1"
-            ),
-            "message": NATIVE_TENSOR_MESSAGE,
-            "fieldPath": ".fsdp.mesh.tensor",
             "reason": "FieldValueInvalid",
         },
     ]

@@ -637,8 +637,8 @@ class TPUFineTuneSpec(_Spec):
             "The trainer's tensor runtime. `xla`: PyTorch/XLA SPMD (torch_xla 2.9.0, one process per "
             "host), on v4, v5e, v5p and v6e; refused on tpu7x. `native`: torch-native FSDP2, DTensor and "
             "torch.distributed.checkpoint on TorchTPU (torch-tpu, Beta), one process per chip, in the "
-            "operator's native trainer image; one slice, objective sft and method full only, no tensor "
-            "axis. Both read the same prepared data and write checkpoints of the same layout. See "
+            "operator's native trainer image; one slice, objective sft and method full only (tensor "
+            "parallelism by transformers' plan for the model). Both read the same prepared data and write checkpoints of the same layout. See "
             'docs/operator.md, "Backends".'
         ),
     )

@@ -38,7 +38,6 @@ from tpuft_operator.api.cel import (
     NATIVE_DPO_MESSAGE,
     NATIVE_LORA_MESSAGE,
     NATIVE_MULTISLICE_MESSAGE,
-    NATIVE_TENSOR_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
@@ -358,8 +357,6 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
         errors.append(FieldError("spec.tpu.slices", NATIVE_MULTISLICE_MESSAGE))
     if spec.backend == "native" and training.method == "lora":
         errors.append(FieldError("spec.training.method", NATIVE_LORA_MESSAGE))
-    if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:
-        errors.append(FieldError("spec.fsdp.mesh.tensor", NATIVE_TENSOR_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:
         errors.append(FieldError("spec.training.warmupSteps", WARMUP_MESSAGE))
     elif (
