@@ -364,6 +364,7 @@ class _Evaluator:
 
     def __call__(self) -> float:
         import torch
+        from torch.distributed.fsdp import FSDPModule
 
         assert self.figures is not None
         per = self.global_batch // self.rt.data_ways
@@ -375,6 +376,12 @@ class _Evaluator:
                 batch = batches.collate([self.rows[i] for i in range(start, start + per)], self.rt.device)
                 summed = self.model(**batch, num_items_in_batch=1).loss
                 total += torch.stack([summed.detach().double().cpu(), batches.loss_tokens(batch).double()])
+        # FSDP2 leaves the root's parameters gathered after a forward (for the backward it expects):
+        # without a backward they would stay so, and a checkpoint right after (an evaluation step that
+        # is a save step) would find parameters that are not the optimizer's. Shard them again.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         self.model.train()
         runtime.batch_sum(total, self.rt)
         return float(total[0] / total[1].clamp(min=1))
