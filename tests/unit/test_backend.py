@@ -133,6 +133,14 @@ def test_the_trainer_config_and_the_prepare_job_follow_the_backend() -> None:
     assert not {e["name"] for e in prepare["env"]} & set(pod_contract.NATIVE_RENDERED_ENV)
 
 
+def test_a_native_run_with_a_tensor_axis_renders_it_into_the_trainer_config() -> None:
+    """Tensor parallelism runs on native too (FSDP2 x DTensor tensor parallelism): accepted at apply,
+    and the trainer is told the axis."""
+    run = render_run(run_of(fsdp={"mesh": {"tensor": 2}}))
+    config = TrainerConfig.from_yaml(run.trainer_config.to_yaml())
+    assert (config.backend, config.fsdp.mesh.tensor) == ("native", 2)
+
+
 def test_the_images_come_from_the_settings_and_spec_image_wins() -> None:
     settings = RenderSettings(trainer_image="r.example/t:1", trainer_image_native="r.example/t:1-tt")
     assert container(render_run(run_of(), settings).jobset)["image"] == "r.example/t:1-tt"
@@ -157,12 +165,21 @@ def test_tpuft_render_takes_the_native_image(tmp_path: Path) -> None:
             cel.XLA_ON_TPU7X_MESSAGE,
         ),
         (
-            {"fsdp": {"mesh": {"tensor": 2}}},
+            {"fsdp": {"mesh": {"tensor": 2}}, "training": {"maxSteps": 10, "method": "lora"}},
             "spec.fsdp.mesh.tensor",
-            cel.NATIVE_TENSOR_MESSAGE,
+            cel.NATIVE_TENSOR_RECIPE_MESSAGE,
+        ),
+        (
+            {
+                "fsdp": {"mesh": {"tensor": 2}},
+                "training": {"maxSteps": 10, "objective": "dpo"},
+                "dataset": {"name": "o/p", "format": "preference"},
+            },
+            "spec.fsdp.mesh.tensor",
+            cel.NATIVE_TENSOR_RECIPE_MESSAGE,
         ),
     ],
-    ids=["xla-on-tpu7x", "native-tensor"],
+    ids=["xla-on-tpu7x", "native-tensor-lora", "native-tensor-dpo"],
 )
 def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -173,8 +190,8 @@ def test_validation_names_the_field_and_the_reason(spec: dict[str, Any], field: 
 def test_the_messages_say_why_and_what_to_do_instead() -> None:
     assert "torch_xla 2.9.0 is its last release" in cel.XLA_ON_TPU7X_MESSAGE
     assert "TorchTPU" in cel.XLA_ON_TPU7X_MESSAGE and "set backend: native" in cel.XLA_ON_TPU7X_MESSAGE
-    assert "tensor > 1 runs on backend xla only for now" in cel.NATIVE_TENSOR_MESSAGE
-    assert "set backend: xla, or tensor: 1" in cel.NATIVE_TENSOR_MESSAGE
+    assert "tensor > 1 on backend native trains method full" in cel.NATIVE_TENSOR_RECIPE_MESSAGE
+    assert "set tensor: 1 (FSDP2 alone), or backend: xla" in cel.NATIVE_TENSOR_RECIPE_MESSAGE
     # Ironwood on native is accepted (one slice), with the native caveat.
     assert render_run(run_of(tpu={"type": "tpu7x", "topology": "2x2x2"})).trainer_stack_caveat
 

@@ -89,9 +89,9 @@ def test_cel_and_python_agree_on_every_shape() -> None:
 
 
 def test_cel_and_python_agree_on_every_backend_refusal() -> None:
-    """spec.backend's rules (xla refused on tpu7x; native refuses a tensor axis, and runs DPO, LoRA
-    and several slices): the same verdict, and the same field, from the apiserver's CEL and from
-    validation, over every combination."""
+    """spec.backend's rules (xla refused on tpu7x; native runs DPO, LoRA, several slices and a tensor
+    axis, the tensor axis with method full and objective sft only): the same verdict, and the same
+    field, from the apiserver's CEL and from validation, over every combination."""
     cases = []
     for backend, tpu_type, objective, slices, method, tensor in itertools.product(
         (None, "xla", "native"), ("v5p", "tpu7x"), ("sft", "dpo"), (1, 2), ("full", "lora"), (None, 1, 2)
@@ -137,3 +137,7 @@ def test_cel_and_python_agree_on_every_backend_refusal() -> None:
                 name,
                 results[name],
             )
+    # Tensor parallelism on native: full sft accepted, on either type, one slice or two.
+    for tpu_type in ("v5p", "tpu7x"):
+        for slices in (1, 2):
+            assert results[f"native/{tpu_type}/sft/{slices}/full/2"] == []

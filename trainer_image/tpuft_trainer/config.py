@@ -262,10 +262,15 @@ class TrainerConfig(_Strict):
             )
         if preference and self.training.objective != "dpo":
             raise ValueError("dataset.format preference needs training.objective dpo")
-        if self.backend == "native" and self.fsdp.mesh.tensor > 1:
+        if (
+            self.backend == "native"
+            and self.fsdp.mesh.tensor > 1
+            and (self.training.method == "lora" or self.training.objective == "dpo")
+        ):
             raise ValueError(
-                "fsdp.mesh.tensor > 1 runs on backend xla only: the native backend shards over "
-                "fsdp x data x dcn_data (FSDP2), without tensor parallelism"
+                "fsdp.mesh.tensor > 1 on backend native trains method full with objective sft only: "
+                "transformers' tensor-parallel plan names the base model's linear layers (peft's LoRA "
+                "layers wrap them), and trl's fused LM head for DPO reads the LM head's weight whole"
             )
         return self
 

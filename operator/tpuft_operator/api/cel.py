@@ -289,16 +289,19 @@ XLA_ON_TPU7X_MESSAGE = (
 )
 # The trainer refuses this too (tpuft_trainer/config.py, TrainerConfig's validators); here it is
 # refused at `kubectl apply`, on the field to change, before a prepare Job or a TPU.
-NATIVE_TENSOR_MESSAGE = (
-    "tensor > 1 runs on backend xla only for now: the native backend shards over fsdp x data (FSDP2) "
-    "without tensor parallelism; set backend: xla, or tensor: 1"
+NATIVE_TENSOR_RECIPE_MESSAGE = (
+    "tensor > 1 on backend native trains method full with objective sft only for now: transformers' "
+    "tensor-parallel plan names the base model's linear layers (peft's LoRA layers wrap them), and trl's "
+    "fused LM head for DPO reads the LM head's weight whole (the plan splits it over the vocabulary); "
+    "set tensor: 1 (FSDP2 alone), or backend: xla"
 )
 _NATIVE = "(has(self.backend) && self.backend == 'native')"
 
 
 def _backend_rules() -> list[Rule]:
     """Each refusal on the field a person would change: backend for tpu7x, the mesh's tensor axis for
-    tensor parallelism (spec.backend defaults to xla, so a spec without it is an xla run)."""
+    tensor parallelism with LoRA or DPO on native (spec.backend defaults to xla, so a spec without it
+    is an xla run)."""
     return [
         {
             "rule": f"self.tpu.type != 'tpu7x' || {_NATIVE}",
@@ -309,9 +312,10 @@ def _backend_rules() -> list[Rule]:
         {
             "rule": (
                 f"!{_NATIVE} || !has(self.fsdp) || !has(self.fsdp.mesh) || !has(self.fsdp.mesh.tensor) "
-                "|| self.fsdp.mesh.tensor <= 1"
+                "|| self.fsdp.mesh.tensor <= 1 || ((!has(self.training.method) || self.training.method "
+                "!= 'lora') && (!has(self.training.objective) || self.training.objective != 'dpo'))"
             ),
-            "message": NATIVE_TENSOR_MESSAGE,
+            "message": NATIVE_TENSOR_RECIPE_MESSAGE,
             "fieldPath": ".fsdp.mesh.tensor",
             "reason": "FieldValueInvalid",
         },

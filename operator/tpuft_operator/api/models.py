@@ -638,8 +638,9 @@ class TPUFineTuneSpec(_Spec):
             "host), on v4, v5e, v5p and v6e; refused on tpu7x. `native`: torch-native FSDP2, DTensor and "
             "torch.distributed.checkpoint on TorchTPU (torch-tpu, Beta), one process per chip, in the "
             "operator's native trainer image (several slices: HSDP, sharded within a slice, replicated "
-            "across slices over DCN); objectives sft and dpo, methods full and lora, no tensor axis. Both "
-            'read the same prepared data and write checkpoints of the same layout. See docs/operator.md, "Backends".'
+            "across slices over DCN); objectives sft and dpo, methods full and lora, a tensor axis by "
+            "transformers' own plan for the model (method full, objective sft). Both read the same "
+            'prepared data and write checkpoints of the same layout. See docs/operator.md, "Backends".'
         ),
     )
     fsdp: FsdpSpec = Field(

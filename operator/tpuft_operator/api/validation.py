@@ -35,7 +35,7 @@ from tpuft_operator.api.cel import (
     EVAL_SOURCE_MESSAGE,
     EVAL_SPLIT_MESSAGE,
     EVAL_STEPS_MESSAGE,
-    NATIVE_TENSOR_MESSAGE,
+    NATIVE_TENSOR_RECIPE_MESSAGE,
     PREFERENCE_OBJECTIVE_MESSAGE,
     PREFERENCE_PACKING_MESSAGE,
     RESERVED_ANNOTATION_MESSAGE,
@@ -349,8 +349,13 @@ def _recipe_errors(spec: TPUFineTuneSpec) -> list[FieldError]:
     # spec.backend: the CEL rules of _backend_rules, in Python.
     if spec.tpu.type == "tpu7x" and spec.backend != "native":
         errors.append(FieldError("spec.backend", XLA_ON_TPU7X_MESSAGE))
-    if spec.backend == "native" and spec.fsdp.mesh is not None and spec.fsdp.mesh.tensor > 1:
-        errors.append(FieldError("spec.fsdp.mesh.tensor", NATIVE_TENSOR_MESSAGE))
+    if (
+        spec.backend == "native"
+        and spec.fsdp.mesh is not None
+        and spec.fsdp.mesh.tensor > 1
+        and (training.method == "lora" or training.objective == "dpo")
+    ):
+        errors.append(FieldError("spec.fsdp.mesh.tensor", NATIVE_TENSOR_RECIPE_MESSAGE))
     if training.warmup_steps is not None and training.warmup_ratio is not None:
         errors.append(FieldError("spec.training.warmupSteps", WARMUP_MESSAGE))
     elif (

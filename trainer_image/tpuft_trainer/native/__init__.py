@@ -3,8 +3,8 @@
 
 - ``launcher``: `tpuft train` on a pod re-runs itself under torch.distributed's elastic agent;
 - ``runtime``: the process group, the device and the DeviceMesh;
-- ``model``: the model on the meta device (with its LoRA adapter), ``fully_shard`` per decoder layer,
-  a sliced load;
+- ``model``: the model on the meta device (with its LoRA adapter), tensor parallelism by transformers'
+  plan, ``fully_shard`` per decoder layer, a sliced load;
 - ``optimizer``: the optimizer and schedule exactly as the xla backend's Trainer builds them;
 - ``batches``: which rows each process trains on at each step;
 - ``checkpoints``: the xla backend's checkpoint layout, keys and small files;

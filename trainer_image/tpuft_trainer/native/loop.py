@@ -11,9 +11,10 @@ progress sinks (progress.py), the attempt's record (attempt.py), the run record 
 The loss of a step is the xla backend's: the sum of every loss token's cross-entropy over the global
 batch (all micro-batches of the step) divided by the global count of loss tokens (an all-reduce), so
 it equals an unsharded run's. Each process computes its rows' sum over that global count; FSDP2
-averages gradients over the processes, so the backward pass scales by their number. Objective dpo
-takes its step, reference and metrics from preference.py (trl's DPO loss: the mean over the step's
-pairs); the rest of the loop is the same.
+averages gradients over the processes it shards over, so the backward pass scales by their number
+(the batch's parts: processes / tensor, as the ranks of a tensor group share their rows). Objective
+dpo takes its step, reference and metrics from preference.py (trl's DPO loss: the mean over the
+step's pairs); the rest of the loop is the same.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         "dcn": rt.shape.dcn,
         "data": rt.shape.data,
         "fsdp": rt.shape.fsdp,
-        "tensor": 1,
+        "tensor": rt.shape.tensor,
     }
     channel = (
         stop_module.GlooChannel.over_group(runtime.stop_group())
@@ -119,7 +120,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     record.parameter_sharding = {name: _placement(param) for name, param in model.named_parameters()}
     if config.dataset.packing and (refusal := packing.packing_refusal(model)):
         raise ConfigError(refusal)
-    global_batch = training.per_device_batch_size * rt.world_size
+    global_batch = training.per_device_batch_size * rt.data_ways
     if not rt.is_rank_zero:
         backend.barrier()
     if training.objective == "dpo":
@@ -148,8 +149,8 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
         global_batch,
         training.gradient_accumulation_steps,
         training.seed,
-        rt.rank,
-        rt.world_size,
+        rt.data_rank,
+        rt.data_ways,
     )
     order = batches.Order(plan)
     record.rows_per_step = global_batch * training.gradient_accumulation_steps
@@ -278,22 +279,22 @@ def _train(
     model.train()
     for step in range(progress.step + 1, progress.total_steps + 1):
         # -- one optimizer step over the global batch (this process's rows of each micro-batch) --
-        if dpo is not None:
+        if dpo is not None:  # tensor = 1 (config.py): the batch's parts are the processes
             done = dpo.step(model, [[dataset[i] for i in rows] for rows in order.micro_batches(step)])
             step_loss, items, here = done.loss, done.loss_tokens, done.positions
         else:
             micro = [
                 batches.collate([dataset[i] for i in rows], rt.device) for rows in order.micro_batches(step)
             ]
-            items = runtime.all_reduce_sum(sum(batches.loss_tokens(b) for b in micro).to(torch.float32))
+            items = runtime.batch_sum(sum(batches.loss_tokens(b) for b in micro).to(torch.float32), rt)
             step_loss = on_device()
             for batch in micro:
                 loss = model(**batch, num_items_in_batch=items).loss
-                (loss * rt.world_size).backward()  # FSDP2 averages over the processes: undo it
+                (loss * rt.data_ways).backward()  # FSDP2 averages over the batch's parts: undo it
                 step_loss += loss.detach().float()
             here = len(micro) * micro[0]["input_ids"].numel()
         grad_norm = (
-            torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
+            native_model.clip_grad_norm(model.parameters(), training.max_grad_norm)
             if training.max_grad_norm > 0
             else None
         )
@@ -303,7 +304,7 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         progress.step = step
         step_times.append(time.monotonic())
-        positions.append(here * rt.world_size)
+        positions.append(here * rt.data_ways)
         loss_token_counts.append(items.detach())
         attempt.step_ended()
         stopper.training_started()
@@ -318,7 +319,7 @@ def _train(
         pending_steps += 1
         logged: float | None = None
         if step % training.logging_steps == 0 or step == progress.total_steps:
-            logged = float(runtime.all_reduce_sum(pending_loss.to(torch.float64).cpu())) / pending_steps
+            logged = float(runtime.batch_sum(pending_loss.to(torch.float64).cpu(), rt)) / pending_steps
             pending_loss, pending_steps = on_device(), 0
             record.losses[step] = logged
             record.learning_rates[step] = learning_rate
@@ -423,18 +424,18 @@ class _Evaluator:
         import torch
 
         assert self.figures is not None
-        per = self.global_batch // self.rt.world_size
+        per = self.global_batch // self.rt.data_ways
         total = torch.zeros(2, dtype=torch.float64)
         self.model.eval()
         with torch.no_grad():
             for index in range(self.figures.batches):
-                start = index * self.global_batch + self.rt.rank * per
+                start = index * self.global_batch + self.rt.data_rank * per
                 batch = batches.collate([self.rows[i] for i in range(start, start + per)], self.rt.device)
                 summed = self.model(**batch, num_items_in_batch=1).loss
                 total += torch.stack([summed.detach().double().cpu(), batches.loss_tokens(batch).double()])
         preference.reshard(self.model)  # else a save at this step finds the root's parameters gathered
         self.model.train()
-        runtime.all_reduce_sum(total)
+        runtime.batch_sum(total, self.rt)
         return float(total[0] / total[1].clamp(min=1))
 
 

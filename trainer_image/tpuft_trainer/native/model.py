@@ -4,11 +4,17 @@ slices of the safetensors files.
 
 1. ``loading.py``'s empty model (parameters on meta; buffers such as the rotary ``inv_freq``, which no
    checkpoint holds, computed by the constructor), gradient checkpointing if configured;
-2. ``fully_shard`` per decoder layer (the classes ``fsdp_v2.resolve_layer_classes`` names, as the xla
-   backend wraps) and on the root: parameters become DTensors sharded on dim 0 over ``fsdp``;
-3. the parameters are materialised empty on the device (buffers kept), and
+2. with a ``tensor`` axis, tensor parallelism by transformers' own plan for the model (``tp_plan``:
+   the config's ``base_model_tp_plan``, Megatron-style q/k/v and gate/up column-wise, o and down
+   row-wise, plus a vocabulary-parallel embedding and an LM head whose logits are gathered) applied
+   by transformers' ``apply_tensor_parallelism`` on the tensor sub-mesh: those weights become
+   DTensors split over ``tensor`` and the modules' forwards exchange activations over it;
+3. ``fully_shard`` per decoder layer (the classes ``fsdp_v2.resolve_layer_classes`` names, as the xla
+   backend wraps) and on the root, over the fsdp (and replicate) dims: parameters become DTensors
+   sharded on dim 0 over ``fsdp`` (2-D with ``tensor``: FSDP2 shards each process's tensor slice);
+4. the parameters are materialised empty on the device (buffers kept), and
    ``torch.distributed.checkpoint`` with ``HuggingFaceStorageReader`` fills each process's shards from
-   the files (reading slices). A full fine-tune resuming from a checkpoint skips this: the
+   the files (reading slices, of 2-D placements too). A full fine-tune resuming from a checkpoint skips this: the
    checkpoint holds every weight.
 
 With ``method: lora`` peft's adapter is added to the meta model before step 2 (lora.py: the same
@@ -31,9 +37,16 @@ from typing import Any
 
 from tpuft_trainer import data, export, fsdp_v2, loading, lora
 from tpuft_trainer.config import TrainerConfig
+from tpuft_trainer.errors import ConfigError
 from tpuft_trainer.native.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+# The styles of transformers' tensor-parallel plans this backend has verified under FSDP2 (a Llama's
+# plan: losses, gradients and the sliced load against an unsharded run, tests/trainer/test_native.py).
+# A plan with any other (Qwen3's per-head norms' "replicated_with_grad_allreduce", MoE experts, packed
+# projections) is refused rather than trained unverified.
+VERIFIED_STYLES = frozenset({"colwise", "rowwise", "embedding_rowwise", "colwise_gather_output"})
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,9 @@ def build(config: TrainerConfig, runtime: Runtime, *, weights: bool) -> Built:
     adapter: dict[str, Any] = {}
     if config.training.method == "lora":  # before sharding: FSDP2 shards the adapter with its layer
         model, adapter = lora.adapt(model, config.training.lora, config.training.seed)
-    classes, wrapped = shard(model, runtime.mesh, config.fsdp.layer_cls_to_wrap)
+    if runtime.tensor_mesh is not None:  # method full only (config.py): the plan names base layers
+        parallelize(model, runtime.tensor_mesh)
+    classes, wrapped = shard(model, runtime.shard_mesh, config.fsdp.layer_cls_to_wrap)
     if not why:
         _materialise(model, runtime.device)
         if weights:
@@ -80,6 +95,73 @@ def build(config: TrainerConfig, runtime: Runtime, *, weights: bool) -> Built:
         place(model, adapter)
     loading._attach_generation_config(model, directory)
     return Built(model, sharded_load=not why, why=why, layer_classes=classes, wrapped_layers=wrapped)
+
+
+def tensor_plan(model: Any, tensor: int) -> dict[str, str]:
+    """transformers' tensor-parallel plan for ``model``, one entry per module or parameter (the
+    ``*`` of its rules replaced by layer numbers), after checking that it can split over ``tensor``."""
+    name = f"{type(model).__name__} (model type {model.config.model_type!r})"
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        raise ConfigError(
+            f"fsdp.mesh.tensor={tensor}: transformers has no tensor-parallel plan (base_model_tp_plan) "
+            f"for {name}; set tensor: 1 or backend: xla"
+        )
+    unverified = sorted(set(plan.values()) - VERIFIED_STYLES)
+    if unverified:
+        raise ConfigError(
+            f"fsdp.mesh.tensor={tensor}: transformers' tensor-parallel plan for {name} uses "
+            f"{unverified}, which the native backend has not verified (it runs {sorted(VERIFIED_STYLES)}); "
+            "set tensor: 1 or backend: xla"
+        )
+    text = model.config.get_text_config()
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % tensor or kv_heads % tensor:
+        # Column-wise q/k/v give each process whole heads only when the heads divide evenly.
+        raise ConfigError(
+            f"fsdp.mesh.tensor={tensor} must divide the model's attention heads: {name} has "
+            f"num_attention_heads={heads} and num_key_value_heads={kv_heads}"
+        )
+    # (transformers' own expansion: what from_pretrained(tp_plan=...) applies; private in 5.24)
+    return dict(model._expand_parallel_plan(plan))
+
+
+def parallelize(model: Any, tensor_mesh: Any) -> dict[str, str]:
+    """Tensor parallelism over ``tensor_mesh`` by transformers' plan for the model (on the meta
+    device: the weights become DTensor placeholders, filled by the sliced load). Returns the plan."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    plan = tensor_plan(model, tensor_mesh.size())
+    apply_tensor_parallelism(model, tensor_mesh, plan)
+    log.info("tensor parallelism over %d processes: %d modules and weights", tensor_mesh.size(), len(plan))
+    return plan
+
+
+def clip_grad_norm(parameters: Any, max_norm: float) -> Any:
+    """``torch.nn.utils.clip_grad_norm_`` for DTensor gradients on different meshes (with tensor
+    parallelism the decoder projections' are on (fsdp, tensor), the norms' on (fsdp,), and torch's
+    own stacks the per-parameter norms, which DTensor refuses across meshes). The 2-norm of every
+    gradient, each mesh's part reduced to a whole value, then the same scaling. Returns the norm."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict[Any, list[Any]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    parts = []
+    for grads in by_mesh.values():
+        part = torch.nn.utils.get_total_norm(grads, 2.0)
+        parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    if not parts:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(parts), 2.0)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in params:
+        grad = param.grad
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient.to(grad.device))
+    return total
 
 
 def shard(model: Any, mesh: Any, layer_cls_to_wrap: list[str] | None) -> tuple[list[str], int]:

@@ -7,10 +7,15 @@ and tensors stay on the CPU. The TPU branch is written from TorchTPU's documenta
 (``init_process_group("tpu_dist")``, ``init_device_mesh("tpu", ...)``) and runs only on a slice:
 docs/trainer.md lists it among what only a slice can verify.
 
-The mesh has the xla backend's batch axes (mesh.py): ``dcn`` (slices) x ``data`` x ``fsdp``, one
-process per chip, ranks slice-major (node rank = slice x hosts_per_slice + host, as the launcher
-sets it). FSDP2 shards parameters over ``fsdp`` and replicates them over ``dcn`` x ``data`` (HSDP
-when that is more than 1); every rank holds a different part of the global batch.
+The mesh has the xla backend's axes in its order (mesh.py): ``dcn`` (slices) x ``data`` x ``fsdp`` x
+``tensor``, one process per chip, ranks slice-major (node rank = slice x hosts_per_slice + host, as
+the launcher sets it) and row-major over the axes, as the xla backend numbers its devices: ``tensor``
+is innermost, so a tensor group is consecutive ranks (one host's chips) and rank r sits at batch
+part ``r // tensor`` of the xla backend's split over dcn x data x fsdp. FSDP2 shards parameters over
+``fsdp`` and replicates them over ``dcn`` x ``data`` (HSDP when that is more than 1); the decoder
+projections are also split over ``tensor`` (model.py). The ranks of one tensor group hold the same
+rows of the global batch (they compute one replica's forward together); each tensor group a
+different part.
 """
 
 from __future__ import annotations
@@ -21,12 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpuft_trainer.config import MeshConfig
-from tpuft_trainer.errors import ConfigError
 from tpuft_trainer.mesh import MeshShape, plan_mesh
 
 log = logging.getLogger(__name__)
 
-REPLICATE, SHARD = "replicate", "fsdp"
+REPLICATE, SHARD, TENSOR = "replicate", "fsdp", "tensor"
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,34 @@ class Runtime:
     device: Any  # torch.device
     backend: str  # the process group's: "gloo" or "tpu_dist"
     shape: MeshShape
-    mesh: Any  # DeviceMesh, (replicate, fsdp) or (fsdp,)
+    mesh: Any  # DeviceMesh: (replicate?, fsdp, tensor?), the axes of size 1 left out
 
     @property
     def is_rank_zero(self) -> bool:
         return self.rank == 0
+
+    @property
+    def shard_mesh(self) -> Any:
+        """What FSDP2 shards over: (replicate, fsdp) or (fsdp,)."""
+        if self.shape.tensor == 1:
+            return self.mesh
+        names = tuple(name for name in self.mesh.mesh_dim_names if name != TENSOR)
+        return self.mesh[names]
+
+    @property
+    def tensor_mesh(self) -> Any:
+        """The ``tensor`` axis (tensor parallelism), or None when it has size 1."""
+        return self.mesh[TENSOR] if self.shape.tensor > 1 else None
+
+    @property
+    def data_rank(self) -> int:
+        """Which part of the global batch this process reads: its tensor group's (``tensor`` innermost)."""
+        return self.rank // self.shape.tensor
+
+    @property
+    def data_ways(self) -> int:
+        """How many parts the global batch is split into (processes / tensor)."""
+        return self.shape.batch_ways
 
     @property
     def on_tpu(self) -> bool:
@@ -75,18 +102,19 @@ def start(mesh_config: MeshConfig) -> Runtime:
     if not dist.is_initialized():
         dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if mesh_config.tensor > 1:  # the contract refuses it (config.py); a hand-written config too
-        raise ConfigError(
-            "fsdp.mesh.tensor > 1 runs on backend xla only: the native backend has no tensor parallelism"
-        )
     shape = plan_mesh(mesh_config, world_size)
     replicate = shape.dcn * shape.data
-    if replicate > 1:
-        mesh = init_device_mesh(device_type, (replicate, shape.fsdp), mesh_dim_names=(REPLICATE, SHARD))
-    else:
-        mesh = init_device_mesh(device_type, (shape.fsdp,), mesh_dim_names=(SHARD,))
+    # Row-major like the xla backend's device order (mesh.py); axes of size 1 are left out so an
+    # fsdp-only run's parameters keep their 1-D placements (and its checkpoints their layout).
+    dims = [(REPLICATE, replicate), (SHARD, shape.fsdp), (TENSOR, shape.tensor)]
+    kept = [(name, size) for name, size in dims if size > 1 or name == SHARD]
+    mesh = init_device_mesh(
+        device_type,
+        tuple(size for _, size in kept),
+        mesh_dim_names=tuple(name for name, _ in kept),
+    )
     log.info(
-        "native backend: rank %d of %d on %s (%s), mesh dcn=%d x data=%d x fsdp=%d",
+        "native backend: rank %d of %d on %s (%s), mesh dcn=%d x data=%d x fsdp=%d x tensor=%d",
         rank,
         world_size,
         device,
@@ -94,6 +122,7 @@ def start(mesh_config: MeshConfig) -> Runtime:
         shape.dcn,
         shape.data,
         shape.fsdp,
+        shape.tensor,
     )
     return Runtime(rank, world_size, local_rank, device, backend, shape, mesh)
 
@@ -104,6 +133,16 @@ def all_reduce_sum(value: Any) -> Any:
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def batch_sum(value: Any, rt: Runtime) -> Any:
+    """The sum over the global batch of a per-process figure of its rows (loss sums, loss-token
+    counts): every process of a tensor group holds the same rows and the same figure, so the sum over
+    every process counts each part ``tensor`` times. In place, returned."""
+    all_reduce_sum(value)
+    if rt.shape.tensor > 1:
+        value /= rt.shape.tensor
     return value
 
 
