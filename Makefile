@@ -38,18 +38,24 @@ lint: venv
 
 # The slowest tests are listed at the end of each session: the suite must stay under ~35 minutes warm
 # on 2 cores.
-# Two sessions at once: the cluster tests mostly wait (on the control plane, the operator's resyncs,
+# Three sessions at once: the cluster tests mostly wait (on the control plane, the operator's resyncs,
 # kwok's timed stages), the unit and trainer tests mostly compute; one after the other they took 44 min.
-# The cluster session's output goes to a file and is printed when both are done.
+# The fault suite, on a cluster of its own, mostly waits too (PodGC's 40 s quarantine, the outages it
+# plays, the settling after each): a session of its own takes its ~6 min off the cluster session, the
+# longest of the three. The other sessions' output goes to files, printed when all are done.
 test: venv venv-native binaries lint
-	@log="$$(mktemp -t tpuft-cluster-tests.XXXXXX)"; \
-	echo ">> tests/cluster + tests/e2e run alongside, their output follows the others' ($$log)"; \
-	$(PY) -m pytest tests/cluster tests/e2e --durations=15 >"$$log" 2>&1 & cluster=$$!; \
-	trap 'kill $$cluster 2>/dev/null; exit 130' INT TERM; \
+	@log="$$(mktemp -t tpuft-cluster-tests.XXXXXX)"; faults_log="$$(mktemp -t tpuft-fault-tests.XXXXXX)"; \
+	echo ">> tests/cluster + tests/e2e, and the fault suite, run alongside; their output follows the others' ($$log, $$faults_log)"; \
+	$(PY) -m pytest tests/cluster tests/e2e --ignore=tests/e2e/test_faults.py --durations=15 >"$$log" 2>&1 & cluster=$$!; \
+	$(PY) -m pytest tests/e2e/test_faults.py --durations=5 >"$$faults_log" 2>&1 & faults=$$!; \
+	trap 'kill $$cluster $$faults 2>/dev/null; exit 130' INT TERM; \
 	core=0; $(PY) -m pytest tests/unit tests/trainer --durations=15 || core=$$?; \
 	rc=0; wait $$cluster || rc=$$?; \
+	frc=0; wait $$faults || frc=$$?; \
 	echo ">> tests/cluster + tests/e2e:"; cat "$$log"; rm -f "$$log"; \
-	if [[ $$core != 0 || $$rc != 0 ]]; then echo ">> FAILED: unit+trainer exit $$core, cluster+e2e exit $$rc"; exit 1; fi
+	echo ">> the fault suite (tests/e2e/test_faults.py):"; cat "$$faults_log"; rm -f "$$faults_log"; \
+	if [[ $$core != 0 || $$rc != 0 || $$frc != 0 ]]; then \
+		echo ">> FAILED: unit+trainer exit $$core, cluster+e2e exit $$rc, fault suite exit $$frc"; exit 1; fi
 
 test-unit: venv
 	@$(PY) -m pytest tests/unit

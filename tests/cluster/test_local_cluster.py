@@ -291,3 +291,7 @@ def test_kwok_stages_come_from_the_module_plus_ours(local_cluster: LocalCluster)
     stages = list(yaml.safe_load_all(local_cluster.layout.kwok_config.read_text()))
     names = {s["metadata"]["name"] for s in stages}
     assert {"node-initialize", "pod-ready", "pod-complete", "pod-delete", "tpuft-pod-exit-code"} <= names
+    # A deleted kwok pod goes within 2 s, not at a random moment of its grace period (upstream's).
+    (delete,) = [s for s in stages if s["metadata"]["name"] == "pod-delete"]
+    assert delete["spec"]["delay"]["jitterDurationMilliseconds"] == 2000
+    assert "deletionTimestamp" not in str(delete["spec"]["delay"])
