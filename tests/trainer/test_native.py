@@ -463,6 +463,7 @@ def test_native_dpo_gives_trls_losses_and_resumes_on_one_process(pool: Pool) -> 
     for figure in ("reward_margins", "reward_accuracies"):
         assert record[figure] == pytest.approx(trl[figure], abs=NATIVE_DPO_VS_TRL, rel=0), figure
     assert record["tokens"] == trl["tokens"]  # two rows of maxSeqLength a pair, as trl pads them
+    assert record["flops_per_token"] == trl["flops_per_token"] > 0  # the reference's forward counted
     # The frozen reference: sharded as the policy, rebuilt from the source (never in a checkpoint).
     assert record["reference_sharding"] == record["parameter_sharding"]
     assert all("Shard(dim=0)" in p for p in record["reference_sharding"].values())

@@ -116,7 +116,7 @@ def run(config: TrainerConfig, env: Mapping[str, str] | None = None) -> RunRecor
     }
     record.checkpointed_blocks = built.wrapped_layers if config.fsdp.gradient_checkpointing else 0
     # The xla path's model FLOPs (throughput.py): DTensor parameters count their global elements.
-    flops = throughput.model_flops(model)
+    flops = throughput.model_flops(model, reference_forward=training.objective == "dpo")
     record.parameter_sharding = {name: _placement(param) for name, param in model.named_parameters()}
     if config.dataset.packing and (refusal := packing.packing_refusal(model)):
         raise ConfigError(refusal)
@@ -433,7 +433,7 @@ class _Evaluator:
                 batch = batches.collate([self.rows[i] for i in range(start, start + per)], self.rt.device)
                 summed = self.model(**batch, num_items_in_batch=1).loss
                 total += torch.stack([summed.detach().double().cpu(), batches.loss_tokens(batch).double()])
-        preference.reshard(self.model)  # else a save at this step finds the root's parameters gathered
+        native_model.reshard(self.model)  # else a save at this step finds the root's parameters gathered
         self.model.train()
         runtime.batch_sum(total, self.rt)
         return float(total[0] / total[1].clamp(min=1))

@@ -164,6 +164,19 @@ def clip_grad_norm(parameters: Any, max_norm: float) -> Any:
     return total
 
 
+def reshard(model: Any) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards. A forward without a backward leaves the root's
+    parameters (embeddings, final norm, LM head) gathered, as FSDP2 keeps the root's after a forward
+    for the backward: on the frozen reference that holds them whole on every process for good, and on
+    the policy after an evaluation a save right after it would find gathered parameters where the
+    optimizer holds shards (``KeyError`` in checkpoint/state.py's names)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def shard(model: Any, mesh: Any, layer_cls_to_wrap: list[str] | None) -> tuple[list[str], int]:
     """``fully_shard`` on each decoder layer, then on the root (whatever the layers leave: embeddings,
     final norm, LM head). Returns the layer classes and how many modules were wrapped."""

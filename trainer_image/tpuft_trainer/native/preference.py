@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from tpuft_trainer import lora
 from tpuft_trainer.config import DPO_LOSS_TYPES, TrainerConfig
 from tpuft_trainer.errors import ConfigError
+from tpuft_trainer.native import model as native_model
 from tpuft_trainer.native import runtime
 
 log = logging.getLogger(__name__)
@@ -146,19 +147,6 @@ def dpo_terms(policy: Any, reference: Any, completion_mask: Any, settings: Setti
     return Terms(loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
-def reshard(model: Any) -> None:
-    """Every FSDP2 unit of ``model`` back to its shards. A forward without a backward leaves the root's
-    parameters (embeddings, final norm, LM head) gathered, as FSDP2 keeps the root's after a forward
-    for the backward: on the frozen reference that holds them whole on every process for good, and on
-    the policy after an evaluation a save right after it would find gathered parameters where the
-    optimizer holds shards (``KeyError`` in checkpoint/state.py's names)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 class Reference(Protocol):
     """Where the reference's log-probs come from."""
 
@@ -181,7 +169,7 @@ class FrozenCopy:
 
         with torch.no_grad():
             out = sequence_log_probs(self.model, batch)
-        reshard(self.model)
+        native_model.reshard(self.model)
         return out
 
     def sharding(self) -> dict[str, str]:
@@ -214,8 +202,6 @@ class AdapterDisabled:
 def prepare(policy: Any, config: TrainerConfig, rt: runtime.Runtime) -> Reference:
     """The policy given trl's fused LM head and dropout off; the reference for ``config``'s method."""
     from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
-
-    from tpuft_trainer.native import model as native_model
 
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     add_fused_lm_head(base)
@@ -328,7 +314,7 @@ def evaluate(
                 )
                 total += torch.stack([(terms.loss.double().cpu() * counts).sum(), counts.sum()])
     finally:
-        reshard(policy)
+        native_model.reshard(policy)
         policy.train()
     runtime.all_reduce_sum(total)
     return float(total[0] / total[1].clamp(min=1))
