@@ -416,12 +416,19 @@ def test_metrics_and_health(local_cluster: LocalCluster, operator: OperatorProce
         timeout=60,
         what="a status of run metered",
     )
-    text = operator.metrics()
+    # The reconcile after the create (the JobSet's status) may come after the phase is first written:
+    # wait for its figures rather than read the metrics once (a fresh operator process has none yet).
+    other = 'tpuft_workqueue_queue_duration_seconds_count{work="other"}'
+    text = wait_for(
+        lambda: page if other in (page := operator.metrics()) else None,
+        timeout=60,
+        what="the operator's metrics of a reconcile after the create",
+    )
     assert "tpuft_reconciles_total" in text
     assert 'tpuft_runs{phase="Running"}' in text
     # The run waited for a worker to create its JobSet, and for status work.
     assert 'tpuft_workqueue_queue_duration_seconds_count{work="create"}' in text
-    assert 'tpuft_workqueue_queue_duration_seconds_count{work="other"}' in text
+    assert other in text
     # ...and its reconciles, the one that created its JobSet apart from the rest.
     assert 'tpuft_reconcile_duration_seconds_count{work="create"}' in text
     assert 'tpuft_reconcile_duration_seconds_count{work="other"}' in text
