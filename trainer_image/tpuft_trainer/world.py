@@ -64,7 +64,8 @@ class World:
         return self.process_count * self.chips_per_host
 
 
-def _int(env: Mapping[str, str], name: str) -> int | None:
+def env_int(env: Mapping[str, str], name: str) -> int | None:
+    """The integer in ``env[name]``; None when unset or blank; WorldError naming it otherwise."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return None
@@ -76,13 +77,13 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 
 def detect_world(config: WorldConfig, env: Mapping[str, str]) -> World:
     """Rank and world from the environment, checked against the job's shape in ``config``."""
-    host_index = _int(env, TPU_WORKER_ID_ENV)
+    host_index = env_int(env, TPU_WORKER_ID_ENV)
     if host_index is None:
-        host_index = _int(env, JOB_COMPLETION_INDEX_ENV) or 0
-    slice_index = _int(env, MEGASCALE_SLICE_ID_ENV)
+        host_index = env_int(env, JOB_COMPLETION_INDEX_ENV) or 0
+    slice_index = env_int(env, MEGASCALE_SLICE_ID_ENV)
     if slice_index is None:
-        slice_index = _int(env, SLICE_INDEX_ENV) or 0
-    restart_attempt = _int(env, RESTART_ATTEMPT_ENV) or 0
+        slice_index = env_int(env, SLICE_INDEX_ENV) or 0
+    restart_attempt = env_int(env, RESTART_ATTEMPT_ENV) or 0
 
     if config.hosts_per_slice > 1:
         hostnames = [h for h in env.get(TPU_WORKER_HOSTNAMES_ENV, "").split(",") if h.strip()]
@@ -94,7 +95,7 @@ def detect_world(config: WorldConfig, env: Mapping[str, str]) -> World:
                 "JobSet the operator renders (GKE sets these variables on TPU pods)."
             )
     if config.slices > 1:
-        num_slices = _int(env, MEGASCALE_NUM_SLICES_ENV)
+        num_slices = env_int(env, MEGASCALE_NUM_SLICES_ENV)
         if num_slices != config.slices:
             raise WorldError(
                 f"this job has {config.slices} slices but MEGASCALE_NUM_SLICES={num_slices}; the slices "

@@ -60,7 +60,7 @@ from tpuft_trainer.pod_contract import (
     NODE_RANK_ENV,
     SLICE_INDEX_ENV,
 )
-from tpuft_trainer.world import detect_world
+from tpuft_trainer.world import detect_world, env_int
 
 log = logging.getLogger(__name__)
 
@@ -101,16 +101,6 @@ class Launch:
         ]
 
 
-def _index(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError as error:
-        raise WorldError(f"{name}={raw!r} is not an index") from error
-
-
 def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
     """This host's launch: a pure function of the configuration and the environment."""
     world = detect_world(config.world, env)
@@ -128,7 +118,7 @@ def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
             "the mesh's dcn axis is the slices (FSDP2 shards within a slice, replicates across them)"
         )
     host_index = world.host_index
-    pinned_host = _index(env, HOST_INDEX_ENV)
+    pinned_host = env_int(env, HOST_INDEX_ENV)
     if pinned_host is not None:
         if not 0 <= pinned_host < world.hosts_per_slice:
             raise WorldError(
@@ -137,15 +127,15 @@ def plan_launch(config: TrainerConfig, env: Mapping[str, str]) -> Launch:
         host_index = pinned_host
     # The slice index: world took MEGASCALE_SLICE_ID first (what libtpu's MegaScale client reads), then
     # the JobSet's job index; the node ranks must order the slices as MegaScale does.
-    job_index = _index(env, SLICE_INDEX_ENV)
-    megascale = _index(env, MEGASCALE_SLICE_ID_ENV)
+    job_index = env_int(env, SLICE_INDEX_ENV)
+    megascale = env_int(env, MEGASCALE_SLICE_ID_ENV)
     if job_index is not None and megascale is not None and job_index != megascale:
         raise WorldError(
             f"{MEGASCALE_SLICE_ID_ENV}={megascale} but {SLICE_INDEX_ENV}={job_index} (the JobSet's job "
             "index): the slices' ranks would not match the slices libtpu joins"
         )
     node_rank = world.slice_index * world.hosts_per_slice + host_index
-    pinned_rank = _index(env, NODE_RANK_ENV)
+    pinned_rank = env_int(env, NODE_RANK_ENV)
     if pinned_rank is not None and pinned_rank != node_rank:
         raise WorldError(
             f"{NODE_RANK_ENV}={pinned_rank} but this host is host {host_index} of slice "
