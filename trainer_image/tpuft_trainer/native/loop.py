@@ -279,7 +279,7 @@ def _train(
     model.train()
     for step in range(progress.step + 1, progress.total_steps + 1):
         # -- one optimizer step over the global batch (this process's rows of each micro-batch) --
-        if dpo is not None:  # tensor = 1 (config.py): the batch's parts are the processes
+        if dpo is not None:
             done = dpo.step(model, [[dataset[i] for i in rows] for rows in order.micro_batches(step)])
             step_loss, items, here = done.loss, done.loss_tokens, done.positions
         else:

@@ -12,7 +12,8 @@ What is the xla backend's (dpo.py, trl 1.16's DPOTrainer with the settings dpo.a
 - the loss: ``beta`` and ``loss_type`` (sigmoid, hinge, ipo: config.DPO_LOSS_TYPES, the only ones the
   API offers), the mean over the step's pairs (trl takes the batch's mean; the Trainer the mean of its
   micro-batches'). Each process backpropagates its pairs' sum over the step's pair count, times the
-  process count (FSDP2 averages gradients over the processes);
+  batch's parts (runtime.data_ways: FSDP2 averages gradients over them), and sums over the batch go
+  through runtime.batch_sum, as the SFT loop's do;
 - the metrics trl logs of the rewards (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
   ``rewards/margins``) and of the log-probs (``logps/chosen``, ``logps/rejected``): means over every
   pair since the last log; the loss-token count (completion tokens scored).
@@ -245,12 +246,12 @@ class Trainer:
             logps = sequence_log_probs(policy, batch)
             terms = dpo_terms(logps, reference, batch["completion_mask"], self.settings)
             share = terms.loss.sum() / self.pairs_per_step
-            (share * self.rt.world_size).backward()  # FSDP2 averages over the processes: undo it
+            (share * self.rt.data_ways).backward()  # FSDP2 averages over the batch's parts: undo it
             total += share.detach().float()
             tokens += batch["completion_mask"][:, 1:].sum().float()
             positions += batch["input_ids"].numel()
             self._add(terms, logps.detach())
-        return Step(total, runtime.all_reduce_sum(tokens), positions)
+        return Step(total, runtime.batch_sum(tokens, self.rt), positions)
 
     def _add(self, terms: Terms, logps: Any) -> None:
         import torch
@@ -272,7 +273,7 @@ class Trainer:
         """trl's reward and log-prob means over every pair since the last call (all processes')."""
         import torch
 
-        sums = runtime.all_reduce_sum(self._sums.to(torch.float64).cpu())
+        sums = runtime.batch_sum(self._sums.to(torch.float64).cpu(), self.rt)
         self._sums.zero_()
         pairs = max(float(sums[_PAIRS]), 1.0)
         out = {name: float(sums[index]) / pairs for name, index in REWARD_METRICS.items()}
@@ -303,7 +304,7 @@ def evaluate(
     policy.eval()
     try:
         with torch.no_grad():
-            for batch_rows in eval_rows(len(rows), global_batch, rt.rank, rt.world_size):
+            for batch_rows in eval_rows(len(rows), global_batch, rt.data_rank, rt.data_ways):
                 batch = collate([rows[i] for i, _ in batch_rows], settings, rt.device)
                 counts = torch.tensor([c for _, c in batch_rows], dtype=torch.float64)
                 terms = dpo_terms(
@@ -316,7 +317,7 @@ def evaluate(
     finally:
         native_model.reshard(policy)
         policy.train()
-    runtime.all_reduce_sum(total)
+    runtime.batch_sum(total, rt)
     return float(total[0] / total[1].clamp(min=1))
 
 
